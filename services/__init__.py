@@ -1,0 +1,1 @@
+"""specinfer services: router, speculator, verifier."""

@@ -1,0 +1,1 @@
+"""The router service (DESIGN.md §2)."""

@@ -1,0 +1,1 @@
+"""The speculator service (DESIGN.md §2)."""

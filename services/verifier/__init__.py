@@ -1,0 +1,1 @@
+"""The verifier service (DESIGN.md §2)."""

@@ -1,0 +1,40 @@
+"""Conversions between core types and the wire messages of ``proto/specinfer/v1``."""
+
+from __future__ import annotations
+
+from specinfer.tree import Draft, TokenTree
+from specinfer.v1 import common_pb2
+
+
+def tree_to_proto(tree: TokenTree) -> common_pb2.TokenTree:
+    msg = common_pb2.TokenTree(tokens=tree.tokens, parents=tree.parents)
+    for drafts in tree.drafts:
+        node = msg.drafts.add()
+        for d in drafts:
+            node.drafts.add(
+                source=d.source,
+                rank=d.rank,
+                proposal=common_pb2.SparseDistribution(token_ids=d.q_ids, probs=d.q_probs),
+            )
+    return msg
+
+
+def tree_from_proto(msg: common_pb2.TokenTree) -> TokenTree:
+    """Validates the structure (raises ``ValueError`` naming the bad field)."""
+    drafts = []
+    for i, node in enumerate(msg.drafts):
+        node_drafts = []
+        for j, d in enumerate(node.drafts):
+            ids, probs = tuple(d.proposal.token_ids), tuple(d.proposal.probs)
+            if len(ids) != len(probs):
+                raise ValueError(
+                    f"tree.drafts[{i}].drafts[{j}].proposal: {len(ids)} token_ids, "
+                    f"{len(probs)} probs"
+                )
+            if any(not (0 <= p <= 1) for p in probs) or abs(sum(probs) - 1) > 1e-3:
+                raise ValueError(
+                    f"tree.drafts[{i}].drafts[{j}].proposal.probs must be a distribution"
+                )
+            node_drafts.append(Draft(d.source, d.rank, ids, probs))
+        drafts.append(node_drafts)
+    return TokenTree.from_arrays(list(msg.tokens), list(msg.parents), drafts)
