@@ -1,0 +1,295 @@
+"""The verifier engine: sequences, KV slots, prefill, tree verification, decoding.
+
+Cache invariant: between calls a sequence's cache slot holds every token of the sequence
+except its last generated one (the *root*); the next Verify/Decode feeds the root together
+with the tree. After verification only the accepted path's K/V is kept, contiguous after
+the prefix (``KVCache.compact``).
+
+Every request is validated in full before any state changes, so a bad item fails its call
+without touching other sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from services.verifier.executor import ForwardArgs
+from specinfer.errors import InvalidArgument, OutOfRange, ResourceExhausted
+from specinfer.sampling import SamplingParams, sample, target_probs
+from specinfer.tree import TokenTree, TreeBatch
+from specinfer.verification import Accepted, verify_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    max_context: int = 2048  # prompt + output tokens of one sequence
+    slots: int = 8  # sequences (live or kept for a session) held at once
+    max_tree_nodes: int = 64
+    prefill_chunk: int = 256
+
+
+@dataclass
+class SequenceState:
+    id: str
+    slot: int
+    tokens: list[int]  # the whole sequence; all but the last are in the cache
+    params: SamplingParams
+    generator: torch.Generator | None
+    session_id: str = ""
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def cached(self) -> int:
+        return len(self.tokens) - 1
+
+    @property
+    def root(self) -> int:
+        return self.tokens[-1]
+
+
+@dataclass
+class SessionEntry:
+    slot: int
+    tokens: list[int]  # tokens whose K/V the slot holds, in order
+
+
+@dataclass
+class PrefillSpec:
+    sequence_id: str
+    token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    session_id: str = ""
+
+
+@dataclass
+class PrefillOut:
+    sequence_id: str
+    token: int
+    reused_tokens: int
+
+
+@dataclass
+class VerifyOut:
+    sequence_id: str
+    tokens: list[int]
+    accepted_nodes: list[int]
+    cached_tokens: int
+
+
+class VerifierEngine:
+    def __init__(self, executor, config: EngineConfig, model_name: str = "",
+                 eos_token_ids: list[int] | None = None) -> None:
+        self.executor = executor
+        self.config = config
+        self.model_name = model_name
+        self.eos_token_ids = eos_token_ids or []
+        self.vocab_size = executor.vocab_size
+        self.sequences: dict[str, SequenceState] = {}
+        self.sessions: OrderedDict[str, SessionEntry] = OrderedDict()  # LRU order
+        self.free_slots = list(range(config.slots))[::-1]
+
+    # --- capacity -------------------------------------------------------------------
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.config.slots * self.config.max_context
+
+    @property
+    def used_tokens(self) -> int:
+        live = sum(s.cached + 1 for s in self.sequences.values())
+        return live + sum(len(e.tokens) for e in self.sessions.values())
+
+    def _take_slot(self, session_id: str) -> tuple[int, list[int]]:
+        """A slot for a new sequence: its session's kept slot, a free one, or the least
+        recently used session's. Returns the slot and the tokens already cached in it."""
+        if session_id and session_id in self.sessions:
+            entry = self.sessions.pop(session_id)
+            return entry.slot, entry.tokens
+        if self.free_slots:
+            return self.free_slots.pop(), []
+        if self.sessions:
+            evicted, entry = self.sessions.popitem(last=False)
+            log.info("evicting session cache to admit a sequence", extra={"session": evicted})
+            return entry.slot, []
+        raise ResourceExhausted(
+            f"KV cache full: {len(self.sequences)} live sequences hold all "
+            f"{self.config.slots} slots ({self.capacity_tokens} tokens); retry later"
+        )
+
+    # --- validation -------------------------------------------------------------------
+
+    def _check_tokens(self, name: str, tokens: list[int]) -> None:
+        for j, t in enumerate(tokens):
+            if not 0 <= t < self.vocab_size:
+                raise InvalidArgument(f"{name}[{j}]", f"token id {t} outside the vocabulary "
+                                      f"[0, {self.vocab_size})")
+
+    def _live(self, name: str, sequence_id: str) -> SequenceState:
+        seq = self.sequences.get(sequence_id)
+        if seq is None:
+            raise InvalidArgument(name, f"unknown sequence {sequence_id!r}")
+        return seq
+
+    def _check_unique(self, ids: list[str]) -> None:
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("items.sequence_id", "a sequence appears twice in one request")
+
+    # --- prefill ----------------------------------------------------------------------
+
+    def prefill(self, specs: list[PrefillSpec]) -> list[PrefillOut]:
+        self._check_unique([s.sequence_id for s in specs])
+        for i, spec in enumerate(specs):
+            if not spec.sequence_id:
+                raise InvalidArgument(f"items[{i}].sequence_id", "must not be empty")
+            if spec.sequence_id in self.sequences:
+                raise InvalidArgument(f"items[{i}].sequence_id",
+                                      f"sequence {spec.sequence_id!r} is already live")
+            if not spec.token_ids:
+                raise InvalidArgument(f"items[{i}].token_ids", "the prompt is empty")
+            if len(spec.token_ids) >= self.config.max_context:
+                raise InvalidArgument(
+                    f"items[{i}].token_ids",
+                    f"prompt of {len(spec.token_ids)} tokens leaves no room to generate "
+                    f"(max_context {self.config.max_context})",
+                )
+            self._check_tokens(f"items[{i}].token_ids", spec.token_ids)
+        reusable = sum(1 for s in specs if s.session_id in self.sessions)
+        if len(specs) - reusable > len(self.free_slots) + len(self.sessions) - reusable:
+            raise ResourceExhausted(
+                f"KV cache full: {len(specs)} new sequences, {len(self.free_slots)} free slots "
+                f"of {self.config.slots}; retry later"
+            )
+        return [self._prefill_one(spec) for spec in specs]
+
+    def _prefill_one(self, spec: PrefillSpec) -> PrefillOut:
+        slot, kept = self._take_slot(spec.session_id)
+        prompt = spec.token_ids
+        reuse = 0
+        while reuse < min(len(kept), len(prompt) - 1) and kept[reuse] == prompt[reuse]:
+            reuse += 1
+        logits = None
+        for start in range(reuse, len(prompt), self.config.prefill_chunk):
+            chunk = prompt[start : start + self.config.prefill_chunk]
+            logits = self._forward_chain(slot, start, chunk)
+        gen = spec.params.make_generator() if not spec.params.greedy else None
+        token = self._pick(logits[0, -1], spec.params, gen)
+        self.sequences[spec.sequence_id] = SequenceState(
+            spec.sequence_id, slot, list(prompt) + [token], spec.params, gen, spec.session_id
+        )
+        return PrefillOut(spec.sequence_id, token, reuse)
+
+    def _forward_chain(self, slot: int, start: int, chunk: list[int]) -> torch.Tensor:
+        """Causal forward of ``chunk`` at cache positions ``start...``; last row's logits."""
+        tree = TokenTree.chain(chunk[1:])
+        batch = TreeBatch.build([tree], [chunk[0]], [start])
+        return self.executor.forward(ForwardArgs(
+            batch.tokens, batch.position_ids, torch.tensor([slot]), torch.tensor([start]),
+            batch.visibility(start + len(chunk)), last_only=True,
+        ))
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, params: SamplingParams, gen) -> int:
+        if params.greedy:
+            return int(logits.argmax())
+        return sample(target_probs(logits, params), gen)
+
+    # --- verification -----------------------------------------------------------------
+
+    def verify(self, items: list[tuple[str, int, TokenTree]]) -> list[VerifyOut]:
+        """One forward for all trees; ``items``: (sequence id, root token, tree)."""
+        self._check_unique([sid for sid, _, _ in items])
+        seqs = []
+        for i, (sid, root, tree) in enumerate(items):
+            seq = self._live(f"items[{i}].sequence_id", sid)
+            if root != seq.root:
+                raise InvalidArgument(f"items[{i}].root_token", f"is {root}, but the sequence's "
+                                      f"last token is {seq.root}")
+            if len(tree) > self.config.max_tree_nodes:
+                raise InvalidArgument(f"items[{i}].tree", f"{len(tree)} nodes exceed the budget "
+                                      f"of {self.config.max_tree_nodes}")
+            self._check_tokens(f"items[{i}].tree.tokens", tree.tokens)
+            if seq.cached + 1 + len(tree) > self.config.max_context:
+                raise OutOfRange(f"items[{i}]: sequence {sid!r} would exceed max_context "
+                                 f"{self.config.max_context}")
+            if not seq.params.greedy and any(not d for d in tree.drafts):
+                raise InvalidArgument(f"items[{i}].tree.drafts",
+                                      "stochastic verification needs every node's drafts")
+            seqs.append(seq)
+        trees = [tree for _, _, tree in items]
+        batch = TreeBatch.build(trees, [s.root for s in seqs], [s.cached for s in seqs])
+        q = batch.tokens.shape[1]
+        key_len = int(batch.prefix_lens.max()) + q
+        visible = None if len(seqs) == 1 and q == 1 else batch.visibility(key_len)
+        logits = self.executor.forward(ForwardArgs(
+            batch.tokens, batch.position_ids, torch.tensor([s.slot for s in seqs]),
+            batch.prefix_lens, visible,
+        ))
+        results = verify_batch(logits, trees, [s.params for s in seqs],
+                               [s.generator for s in seqs])
+        return [self._accept(seq, acc) for seq, acc in zip(seqs, results, strict=True)]
+
+    def _accept(self, seq: SequenceState, acc: Accepted) -> VerifyOut:
+        base = seq.cached + 1  # the root's K/V sits at seq.cached
+        src = [base + n for n in acc.nodes]
+        dst = list(range(base, base + len(acc.nodes)))
+        self.executor.compact(seq.slot, src, dst)
+        seq.tokens.extend(acc.tokens)
+        return VerifyOut(seq.id, acc.tokens, acc.nodes, seq.cached)
+
+    def decode(self, items: list[tuple[str, int]]) -> list[VerifyOut]:
+        """Incremental decoding: a verification of empty trees."""
+        return self.verify([(sid, root, TokenTree()) for sid, root in items])
+
+    # --- lifetime ---------------------------------------------------------------------
+
+    def release(self, sequence_ids: list[str], keep_for_session: bool = False) -> int:
+        released = 0
+        for sid in sequence_ids:
+            seq = self.sequences.pop(sid, None)
+            if seq is None:
+                continue
+            released += 1
+            if keep_for_session and seq.session_id:
+                old = self.sessions.pop(seq.session_id, None)
+                if old is not None:
+                    self.free_slots.append(old.slot)
+                self.sessions[seq.session_id] = SessionEntry(seq.slot, seq.tokens[:-1])
+            else:
+                self.free_slots.append(seq.slot)
+        return released
+
+    def info(self) -> dict:
+        return {
+            "model": self.model_name,
+            "vocab_size": self.vocab_size,
+            "max_context": self.config.max_context,
+            "kv_capacity_tokens": self.capacity_tokens,
+            "kv_free_tokens": self.capacity_tokens - self.used_tokens,
+            "dtype": str(self.executor.dtype).removeprefix("torch."),
+            "tensor_parallel": self.executor.tp,
+            "pipeline_parallel": self.executor.pp,
+            "max_tree_nodes": self.config.max_tree_nodes,
+            "eos_token_ids": self.eos_token_ids,
+            "live_sequences": len(self.sequences),
+        }
+
+
+def slot_len(config: EngineConfig) -> int:
+    # Room for a full context plus padding queries of the widest batch row.
+    return config.max_context + config.max_tree_nodes + 1
+
+
+def eos_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]

@@ -1,0 +1,49 @@
+"""Executors run the LLM's forward pass for the engine: in this process, or across
+tensor-/pipeline-parallel rank processes (``services.verifier.parallel``).
+
+The engine only ever asks for two things — a forward over some queries, and a KV
+compaction — so a parallel executor replays exactly these calls on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specinfer.runtime import LlamaRuntime
+
+
+@dataclass
+class ForwardArgs:
+    tokens: torch.Tensor  # [B, Q] int64
+    positions: torch.Tensor  # [B, Q] int64
+    slots: torch.Tensor  # [B] int64
+    offsets: torch.Tensor  # [B] int64: cache position of query 0
+    visible: torch.Tensor | None  # [B, Q, K] bool
+    last_only: bool = False  # logits of the last query only (prefill)
+
+
+class LocalExecutor:
+    """The whole model in this process."""
+
+    def __init__(self, runtime: LlamaRuntime) -> None:
+        self.runtime = runtime
+        self.vocab_size = runtime.vocab_size
+        self.dtype = runtime.dtype
+        self.tp = 1
+        self.pp = 1
+
+    def forward(self, args: ForwardArgs) -> torch.Tensor:
+        rt = self.runtime
+        hidden = rt.layers_forward(rt.embed(args.tokens), args.positions, args.slots,
+                                   args.offsets, args.visible)
+        if args.last_only:
+            hidden = hidden[:, -1:]
+        return rt.logits(hidden)
+
+    def compact(self, slot: int, src: list[int], dst: list[int]) -> None:
+        self.runtime.cache.compact(slot, src, dst)
+
+    def close(self) -> None:
+        pass

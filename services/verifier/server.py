@@ -1,0 +1,115 @@
+"""The verifier's gRPC service (``specinfer serve verifier``).
+
+The engine is not thread-safe and every call is compute-bound, so calls run one at a time
+on a single worker thread; the event loop stays free for health checks and new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from services.verifier.engine import PrefillSpec, VerifierEngine
+from specinfer.grpc_server import Service, abort_on_error
+from specinfer.sampling import SamplingParams
+from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
+from specinfer.wire import tree_from_proto
+
+log = logging.getLogger(__name__)
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self) -> None:
+        self.engine: VerifierEngine | None = None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    async def _call(self, context: grpc.aio.ServicerContext, method: str, fn, *args):
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed in queue")
+        start = time.perf_counter()
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        except Exception as exc:  # mapped to a status; the service keeps serving
+            log.info("request failed", extra={"method": method, "error": str(exc)})
+            await abort_on_error(context, exc)
+        log.debug("done", extra={"method": method, "ms": (time.perf_counter() - start) * 1e3})
+        return result
+
+    def _parse_trees(self, request: verifier_pb2.VerifyRequest):
+        items = []
+        for i, item in enumerate(request.items):
+            try:
+                tree = tree_from_proto(item.tree)
+            except ValueError as exc:
+                raise ValueError(f"items[{i}].{exc}") from exc
+            items.append((item.sequence_id, item.root_token, tree))
+        return items
+
+    async def Prefill(self, request, context):
+        def run():
+            specs = []
+            for i, item in enumerate(request.items):
+                try:
+                    params = SamplingParams.from_proto(item.sampling)
+                except ValueError as exc:
+                    raise ValueError(f"items[{i}].sampling.{exc}") from exc
+                specs.append(PrefillSpec(item.sequence_id, list(item.token_ids), params,
+                                         item.session_id))
+            return self.engine.prefill(specs)
+
+        out = await self._call(context, "Prefill", run)
+        return verifier_pb2.PrefillResponse(results=[
+            verifier_pb2.PrefillResult(sequence_id=r.sequence_id, token=r.token,
+                                       reused_tokens=r.reused_tokens) for r in out
+        ])
+
+    async def Verify(self, request, context):
+        out = await self._call(context, "Verify",
+                               lambda: self.engine.verify(self._parse_trees(request)))
+        return verifier_pb2.VerifyResponse(results=[
+            verifier_pb2.VerifyResult(sequence_id=r.sequence_id, tokens=r.tokens,
+                                      accepted_nodes=r.accepted_nodes,
+                                      cached_tokens=r.cached_tokens) for r in out
+        ])
+
+    async def Decode(self, request, context):
+        items = [(it.sequence_id, it.root_token) for it in request.items]
+        out = await self._call(context, "Decode", self.engine.decode, items)
+        return verifier_pb2.DecodeResponse(results=[
+            verifier_pb2.DecodeResult(sequence_id=r.sequence_id, token=r.tokens[0],
+                                      cached_tokens=r.cached_tokens) for r in out
+        ])
+
+    async def Release(self, request, context):
+        n = await self._call(context, "Release", self.engine.release,
+                             list(request.sequence_ids), request.keep_for_session)
+        return verifier_pb2.ReleaseResponse(released=n)
+
+    async def Info(self, request, context):
+        info = await self._call(context, "Info", self.engine.info)
+        return verifier_pb2.InfoResponse(**info)
+
+
+async def serve(build, host: str, port: int, grace_s: float = 10.0) -> None:
+    """Start listening at once (health NOT_SERVING), build the engine with ``build()`` in
+    the worker thread, then report SERVING. Runs until SIGTERM/SIGINT."""
+    service = Service("verifier", host, port)
+    servicer = VerifierServicer()
+    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, service.server)
+    service.add(verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name)
+    await service.start()
+    servicer.engine = await asyncio.get_running_loop().run_in_executor(servicer.pool, build)
+    await service.set_serving()
+
+    async def close() -> None:
+        await asyncio.get_running_loop().run_in_executor(servicer.pool,
+                                                         servicer.engine.executor.close)
+
+    await service.run_until_signal(grace_s, on_stop=close)

@@ -1,0 +1,72 @@
+"""The ``specinfer`` command (DESIGN.md §6)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from specinfer.models import DEFAULT_LLM, ModelError
+
+log = logging.getLogger("specinfer")
+
+
+def _add_verifier_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llm", default=DEFAULT_LLM, help="model directory, .gguf file or alias")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50053)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (DeepSpeed AutoTP)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--micro-batches", type=int, default=2,
+                   help="pipeline micro-batches per step (pp > 1)")
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--slots", type=int, default=8, help="sequences held in the KV cache at once")
+    p.add_argument("--max-tree-nodes", type=int, default=64)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0 = auto)")
+
+
+def serve_verifier(args: argparse.Namespace) -> int:
+    from services.verifier.engine import EngineConfig
+    from services.verifier.parallel import build_engine
+    from services.verifier.server import serve
+
+    config = EngineConfig(max_context=args.max_context, slots=args.slots,
+                          max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk)
+
+    def build():
+        return build_engine(args.llm, config, tp=args.tp, pp=args.pp,
+                                micro_batches=args.micro_batches, threads=args.threads)
+
+    asyncio.run(serve(build, args.host, args.port))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specinfer", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve_p = sub.add_parser("serve", help="run one service, as the Helm chart does")
+    roles = serve_p.add_subparsers(dest="role", required=True)
+    _add_verifier_args(roles.add_parser("verifier", help="the LLM and its KV cache"))
+
+    args = parser.parse_args(argv)
+    from specinfer.logs import setup_logging
+
+    setup_logging(f"{args.command}-{getattr(args, 'role', '')}".strip("-"), args.log_level)
+    try:
+        if args.command == "serve" and args.role == "verifier":
+            return serve_verifier(args)
+    except ModelError as exc:
+        print(f"specinfer: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    parser.error("unknown command")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""What every specinfer gRPC service shares: server options, health and reflection,
+error mapping, and graceful shutdown on SIGTERM/SIGINT (NOT_SERVING, drain, exit)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specinfer.errors import ServiceError
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+CHANNEL_OPTIONS = SERVER_OPTIONS
+
+
+async def abort_on_error(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """Turn a service error (or a ValueError from validation) into its gRPC status."""
+    if isinstance(exc, ServiceError):
+        await context.abort(exc.grpc_code, str(exc))
+    if isinstance(exc, ValueError):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    log.exception("internal error", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+class Service:
+    """A grpc.aio server with health (NOT_SERVING until ``set_serving``) and reflection."""
+
+    def __init__(self, name: str, host: str, port: int) -> None:
+        self.name = name
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.address = f"{host}:{port}"
+        self.port = self.server.add_insecure_port(self.address)
+        self._services = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+
+    def add(self, full_name: str) -> None:
+        self._services.append(full_name)
+
+    async def start(self) -> None:
+        reflection.enable_server_reflection(self._services, self.server)
+        await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        log.info("listening", extra={"address": self.address, "port": self.port})
+
+    async def _set(self, status) -> None:
+        for name in ("", *self._services[2:]):
+            result = self.health.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def set_serving(self) -> None:
+        await self._set(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving", extra={"service": self.name})
+
+    async def run_until_signal(self, grace_s: float = 10.0,
+                               on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("stopping: NOT_SERVING, draining in-flight requests", extra={"grace_s": grace_s})
+        await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace_s)
+        if on_stop is not None:
+            await on_stop()
+        log.info("stopped")

@@ -1,0 +1,139 @@
+"""A lean tree-attention runtime for Llama-family models, gpt-fast style.
+
+It runs the decoder layers of a loaded transformers model (the same weights and modules,
+so DeepSpeed AutoTP's sharded linears drop in) over a preallocated KV cache with one slot
+per sequence. One ``forward`` call serves prefill chunks, tree verification and incremental
+decoding: queries of row b are written to the cache at ``offsets[b] + j`` and attend to the
+keys their boolean visibility matrix allows (the topology-aware tree mask).
+
+Compared with calling the transformers model with a 4-D mask, this skips its mask and cache
+bookkeeping, reads the cache in place, and computes the vocabulary head only for the rows
+that need it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    """Keys and values of every layer: ``[layers, slots, slot_len, kv_heads, head_dim]``."""
+
+    def __init__(self, layers: int, slots: int, slot_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32) -> None:
+        shape = (layers, slots, slot_len, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+
+    @property
+    def slot_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def bytes_per_token(self) -> int:
+        _, _, _, heads, dim = self.k.shape
+        return 2 * self.k.shape[0] * heads * dim * self.k.element_size()
+
+    def compact(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Move positions ``src`` to ``dst`` in every layer (the accepted path, kept
+        contiguous after the prefix). ``src[i] >= dst[i]``, ascending."""
+        if src == dst:
+            return
+        s, d = torch.tensor(src), torch.tensor(dst)
+        self.k[:, slot, d] = self.k[:, slot, s]
+        self.v[:, slot, d] = self.v[:, slot, s]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaRuntime:
+    """Runs layers ``[first_layer, last_layer)`` of a transformers Llama-family model.
+
+    A full model is one stage; pipeline parallel gives each stage a contiguous layer range.
+    Stage 0 embeds tokens; the last stage applies the final norm and the vocabulary head.
+    """
+
+    def __init__(self, model, slots: int, slot_len: int,
+                 first_layer: int = 0, last_layer: int | None = None) -> None:
+        self.model = model
+        cfg = model.config
+        self.config = cfg
+        self.body = model.model
+        self.num_layers = cfg.num_hidden_layers
+        self.first_layer = first_layer
+        self.last_layer = self.num_layers if last_layer is None else last_layer
+        layers = list(self.body.layers)
+        if len(layers) == cfg.num_hidden_layers:  # a full model: take this stage's range
+            layers = layers[first_layer : self.last_layer]
+        elif len(layers) != self.last_layer - first_layer:
+            raise ValueError("the model holds neither all layers nor exactly this stage's")
+        self.layers = layers
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size = cfg.vocab_size
+        self.dtype = next(model.parameters()).dtype
+        # Local KV heads (fewer under tensor parallel): read off the k projection's shape.
+        kv_heads = self.layers[0].self_attn.k_proj.weight.shape[0] // self.head_dim
+        self.cache = KVCache(len(self.layers), slots, slot_len, kv_heads, self.head_dim,
+                             self.dtype)
+
+    @property
+    def is_first(self) -> bool:
+        return self.first_layer == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.last_layer == self.num_layers
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.body.embed_tokens(tokens)
+
+    @torch.inference_mode()
+    def layers_forward(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       offsets: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+        """Run this stage's layers. ``hidden [B, Q, H]``; ``positions [B, Q]`` rotary
+        positions; ``slots [B]`` cache slots; ``offsets [B]`` where query 0's K/V is written;
+        ``visible [B, Q, K]`` bool, or None when every query sees every key up to its own
+        position (a single row decoding one token)."""
+        b, q, _ = hidden.shape
+        cos, sin = self.body.rotary_emb(hidden, positions)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, Q, 1, D]
+        write_pos = offsets[:, None] + torch.arange(q)[None, :]
+        write_slot = slots[:, None].expand(b, q)
+        key_len = int(write_pos.max()) + 1 if visible is None else visible.shape[-1]
+        mask = None
+        if visible is not None:
+            mask = torch.zeros(visible.shape, dtype=hidden.dtype)
+            mask.masked_fill_(~visible, torch.finfo(hidden.dtype).min)
+            mask = mask[:, None]
+        single = b == 1
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            qs = attn.q_proj(x).view(b, q, -1, self.head_dim)
+            ks = attn.k_proj(x).view(b, q, -1, self.head_dim)
+            vs = attn.v_proj(x).view(b, q, -1, self.head_dim)
+            qs = qs * cos + _rotate_half(qs) * sin
+            ks = ks * cos + _rotate_half(ks) * sin
+            ck, cv = self.cache.k[i], self.cache.v[i]
+            ck[write_slot, write_pos] = ks
+            cv[write_slot, write_pos] = vs
+            if single:  # a view, no copy
+                keys, values = ck[slots[0], :key_len][None], cv[slots[0], :key_len][None]
+            else:
+                keys, values = ck[slots, :key_len], cv[slots, :key_len]
+            out = F.scaled_dot_product_attention(
+                qs.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=mask, enable_gqa=True,
+                is_causal=False,
+            )
+            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.body.norm(hidden)).float()
