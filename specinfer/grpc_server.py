@@ -63,7 +63,7 @@ class Service:
 
     async def set_serving(self) -> None:
         await self._set(health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving", extra={"service": self.name})
+        log.info("serving", extra={"role": self.name})
 
     async def run_until_signal(self, grace_s: float = 10.0,
                                on_stop: Callable[[], Awaitable[None]] | None = None) -> None:

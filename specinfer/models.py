@@ -8,6 +8,7 @@ Everything is offline: no model hub is ever contacted.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -105,10 +106,8 @@ def materialize(ref: str) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        try:
+        with contextlib.suppress(OSError):  # another process may have finished first
             tmp.rename(target)
-        except OSError:  # another process finished first
-            pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

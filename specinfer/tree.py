@@ -160,6 +160,59 @@ def merge_trees(trees: Sequence[TokenTree]) -> TokenTree:
 DraftFn = Callable[[list[list[int]]], torch.Tensor]
 
 
+def expand_level(
+    tree: TokenTree,
+    frontier: Sequence[int],
+    probs: torch.Tensor,
+    width: int,
+    *,
+    source: int = 0,
+    sample: bool = False,
+    replacement: bool = True,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """Give each frontier node ``width`` children drawn from its row of ``probs``
+    (``[len(frontier), V]``, the drafter's next-token distribution); returns the new
+    frontier.
+
+    Greedy (``sample=False``): the top-k tokens, each a deterministic draft with a one-hot
+    ``q`` (so the tree is also valid for stochastic verification). Stochastic: children are
+    *sampled*, i.i.d. (``replacement=True``) or without replacement, where each draft's ``q``
+    is the renormalised remainder after the earlier draws at that node. ``probs`` must be
+    the distribution to sample from (temperature / truncation applied); its exact support
+    is recorded.
+    """
+    probs = probs.to(torch.float64)
+    next_frontier: list[int] = []
+    for row, parent in enumerate(frontier):
+        p = probs[row]
+        if not sample:
+            top = torch.topk(p, min(width, p.numel())).indices.tolist()
+            for rank, tok in enumerate(top):
+                next_frontier.append(tree.add(parent, tok, [Draft.one_hot(source, rank, tok)]))
+            continue
+        # Work on the support only: drafts record it exactly, and a truncated draft
+        # distribution keeps it small.
+        ids = torch.nonzero(p > 0).squeeze(1)
+        q_ids, w = tuple(ids.tolist()), p[ids]
+        w = w / w.sum()
+        for rank in range(width):
+            if not q_ids:
+                break
+            j = int(torch.multinomial(w, 1, generator=generator))
+            tok = q_ids[j]
+            node = tree.add(parent, tok, [Draft(source, rank, q_ids, tuple(w.tolist()))])
+            if node not in next_frontier:  # a repeated i.i.d. draw reuses its node
+                next_frontier.append(node)
+            if not replacement:  # the next draw comes from the renormalised remainder
+                q_ids = q_ids[:j] + q_ids[j + 1 :]
+                w = torch.cat([w[:j], w[j + 1 :]])
+                if not q_ids or w.sum() <= 0:
+                    break
+                w = w / w.sum()
+    return next_frontier
+
+
 def expand_tree(
     draft_fn: DraftFn,
     expansion: Sequence[int],
@@ -170,50 +223,15 @@ def expand_tree(
     generator: torch.Generator | None = None,
 ) -> TokenTree:
     """Grow a tree level by level: at depth d every frontier node gets ``expansion[d]``
-    children.
-
-    Greedy (``sample=False``): the top-k tokens, each a deterministic draft with a one-hot
-    ``q`` (so the tree is also valid for stochastic verification). Stochastic: children are
-    *sampled* from the draft distribution, i.i.d. (``replacement=True``) or without
-    replacement, where each draft's ``q`` is the renormalised remainder after the earlier
-    draws at that node. The draft distribution must already be the one to sample from
-    (temperature / truncation applied by the caller); its exact support is recorded.
-    """
+    children (see ``expand_level``)."""
     tree = TokenTree()
     frontier = [ROOT]
     for width in expansion:
         if width <= 0 or not frontier:
             break
         probs = draft_fn([tree.path_tokens(n) if n != ROOT else [] for n in frontier])
-        probs = probs.to(torch.float64)
-        next_frontier: list[int] = []
-        for row, parent in enumerate(frontier):
-            p = probs[row]
-            if not sample:
-                top = torch.topk(p, min(width, p.numel())).indices.tolist()
-                for rank, tok in enumerate(top):
-                    next_frontier.append(tree.add(parent, tok, [Draft.one_hot(source, rank, tok)]))
-                continue
-            # Work on the support only: drafts record it exactly, and a truncated draft
-            # distribution keeps it small.
-            ids = torch.nonzero(p > 0).squeeze(1)
-            q_ids, w = tuple(ids.tolist()), p[ids]
-            w = w / w.sum()
-            for rank in range(width):
-                if not q_ids:
-                    break
-                j = int(torch.multinomial(w, 1, generator=generator))
-                tok = q_ids[j]
-                node = tree.add(parent, tok, [Draft(source, rank, q_ids, tuple(w.tolist()))])
-                if node not in next_frontier:  # a repeated i.i.d. draw reuses its node
-                    next_frontier.append(node)
-                if not replacement:  # the next draw comes from the renormalised remainder
-                    q_ids = q_ids[:j] + q_ids[j + 1 :]
-                    w = torch.cat([w[:j], w[j + 1 :]])
-                    if not q_ids or w.sum() <= 0:
-                        break
-                    w = w / w.sum()
-        frontier = next_frontier
+        frontier = expand_level(tree, frontier, probs, width, source=source, sample=sample,
+                                replacement=replacement, generator=generator)
     return tree
 
 

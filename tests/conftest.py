@@ -18,14 +18,14 @@ def save_tiny_llama(path, seed: int = 0, layers: int = 4, vocab: int = 128) -> s
     cfg = LlamaConfig(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=1, bos_token_id=0, tie_word_embeddings=False,
+        eos_token_id=None, bos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg)
     # Larger weights than the default init so that argmaxes are well separated.
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                p.mul_(4.0)
+                p.mul_(2.0)
     model.save_pretrained(path)
     return str(path)
 

@@ -1,0 +1,80 @@
+"""Generation driven in-process against a verifier engine: the engine-only path used by
+tests and benchmarks (the router drives the same steps over gRPC)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from services.verifier.engine import PrefillSpec, VerifierEngine
+from specinfer.sampling import SamplingParams
+from specinfer.tree import TokenTree
+
+# Maps the token histories of a batch (prompt + generated, the last one is each tree's
+# root) to one tree per sequence. None = no speculation.
+TreeSource = Callable[[list[list[int]]], list[TokenTree]]
+
+_ids = itertools.count()
+
+
+@dataclass
+class LocalResult:
+    token_ids: list[int]
+    accepted_per_step: list[int] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    ttft_s: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted_per_step)
+
+
+def generate_local(
+    engine: VerifierEngine,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    trees: TreeSource | None = None,
+    params: SamplingParams | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+) -> list[LocalResult]:
+    """Decode a batch to ``max_new_tokens`` each (or a stop token, which is kept)."""
+    params = params or SamplingParams()
+    stop = set(engine.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    start = time.perf_counter()
+    ids = [f"local-{next(_ids)}" for _ in prompts]
+    first = engine.prefill([PrefillSpec(sid, list(p), params) for sid, p in zip(ids, prompts,
+                                                                                 strict=True)])
+    ttft = time.perf_counter() - start
+    history = {sid: list(p) + [f.token] for sid, p, f in zip(ids, prompts, first, strict=True)}
+    results = {sid: LocalResult([f.token], ttft_s=ttft) for sid, f in zip(ids, first,
+                                                                          strict=True)}
+    live = [sid for sid in ids if first[ids.index(sid)].token not in stop and max_new_tokens > 1]
+    try:
+        while live:
+            if trees is None:
+                out = engine.decode([(sid, history[sid][-1]) for sid in live])
+            else:
+                drafted = trees([history[sid] for sid in live])
+                out = engine.verify([(sid, history[sid][-1], t)
+                                     for sid, t in zip(live, drafted, strict=True)])
+            for r in out:
+                res = results[r.sequence_id]
+                new = r.tokens[: max_new_tokens - len(res.token_ids)]
+                for k, tok in enumerate(new):
+                    if tok in stop:
+                        new = new[: k + 1]
+                        break
+                res.token_ids += new
+                res.accepted_per_step.append(len(r.tokens))
+                history[r.sequence_id] += r.tokens
+            live = [sid for sid in live
+                    if len(results[sid].token_ids) < max_new_tokens
+                    and results[sid].token_ids[-1] not in stop]
+    finally:
+        engine.release(ids)
+    elapsed = time.perf_counter() - start
+    for res in results.values():
+        res.elapsed_s = elapsed
+    return [results[sid] for sid in ids]

@@ -1,0 +1,68 @@
+"""The SSM drafter: cached tree drafting equals uncached expansion, cache hits equal
+misses, and stochastic drafts record the distribution they were drawn from."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specinfer.sampling import SamplingParams, target_probs
+from specinfer.ssm import DraftRequest, SSMDrafter
+from specinfer.tree import ROOT, expand_tree
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+
+
+def uncached_probs(model, context):
+    def draft_fn(paths):
+        with torch.no_grad():
+            return torch.stack([model(torch.tensor([context + p])).logits[0, -1].softmax(-1)
+                                for p in paths])
+    return draft_fn
+
+
+@pytest.mark.parametrize("expansion", [[1, 1, 3, 1, 1], [2, 2, 2], [4, 1, 1, 1]])
+def test_greedy_tree_equals_uncached_expansion_and_hits_equal_misses(hf_model, expansion):
+    drafter = SSMDrafter(hf_model, slots=2, max_context=128)
+    contexts = [[5, 6, 7, 8, 9], list(range(20, 45))]
+    reqs = [DraftRequest(f"s{i}", c, expansion) for i, c in enumerate(contexts)]
+    miss = drafter.propose(reqs)
+    for ctx, tree in zip(contexts, miss, strict=True):
+        ref = expand_tree(uncached_probs(hf_model, ctx), expansion)
+        assert tree.tokens == ref.tokens and tree.parents == ref.parents
+    # Hit: the contexts grow by two tokens; the slot holds the old prefix.
+    grown = [c + [3, 4] for c in contexts]
+    hit = drafter.propose([DraftRequest(f"s{i}", c, expansion) for i, c in enumerate(grown)])
+    cold = SSMDrafter(hf_model, slots=2, max_context=128)
+    fresh = cold.propose([DraftRequest(f"s{i}", c, expansion) for i, c in enumerate(grown)])
+    for a, b in zip(hit, fresh, strict=True):
+        assert a.tokens == b.tokens and a.parents == b.parents
+    # Stale entry: a context that diverges from the cached one.
+    stale = drafter.propose([DraftRequest("s0", [5, 6, 1, 1, 2, 3], expansion)])[0]
+    ref = expand_tree(uncached_probs(hf_model, [5, 6, 1, 1, 2, 3]), expansion)
+    assert stale.tokens == ref.tokens
+
+
+def test_stochastic_drafts_record_the_distribution_sampled_from(hf_model):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=1)
+    drafter = SSMDrafter(hf_model, slots=1, max_context=128, draft_top_k=16)
+    ctx = [9, 8, 7, 6]
+    tree = drafter.propose([DraftRequest("s", ctx, [3, 2], params,
+                                         torch.Generator().manual_seed(0))])[0]
+    for node in range(len(tree)):
+        parent = tree.parents[node]
+        path = tree.path_tokens(parent) if parent != ROOT else []
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([ctx + path])).logits[0, -1]
+        expected = target_probs(logits, SamplingParams(0.8, top_k=16, top_p=0.9)).double()
+        for d in tree.drafts[node]:
+            assert torch.allclose(d.dense(expected.numel()), expected, atol=1e-5)
+            assert d.prob(tree.tokens[node]) > 0
+
+
+def test_node_budget_is_respected(hf_model):
+    drafter = SSMDrafter(hf_model, slots=1, max_context=128, max_tree_nodes=10)
+    tree = drafter.propose([DraftRequest("s", [1, 2, 3], [4, 4, 4])])[0]
+    assert len(tree) <= 10

@@ -1,0 +1,178 @@
+"""The verifier engine on a tiny random Llama: exactness of batched tree verification, KV
+compaction, sampling, capacity, sessions and request validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.verifier.engine import EngineConfig, PrefillSpec
+from services.verifier.executor import ForwardArgs
+from services.verifier.local import generate_local
+from services.verifier.parallel import build_engine
+from specinfer.errors import InvalidArgument, OutOfRange, ResourceExhausted
+from specinfer.sampling import SamplingParams
+from specinfer.tree import ROOT, Draft, TokenTree
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+
+
+@pytest.fixture()
+def engine(tiny_llama):
+    return build_engine(tiny_llama, EngineConfig(max_context=128, slots=4, max_tree_nodes=24))
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def noisy_oracle(model, seed: int, depth: int = 4):
+    """Trees that hold the LLM's true continuation at a random position among decoys, and
+    sometimes go wrong part-way: accepted paths are often not the leftmost."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+
+    def trees(histories: list[list[int]]) -> list[TokenTree]:
+        out = []
+        for hist in histories:
+            truth = []
+            with torch.no_grad():
+                ctx = list(hist)
+                for _ in range(depth):
+                    tok = int(model(torch.tensor([ctx])).logits[0, -1].argmax())
+                    truth.append(tok)
+                    ctx.append(tok)
+            tree, node = TokenTree(), ROOT
+            cut = int(torch.randint(1, depth + 2, (1,), generator=gen))
+            for d, tok in enumerate(truth):
+                decoys = torch.randint(0, vocab, (2,), generator=gen).tolist()
+                real = tok if d < cut else decoys[0]
+                order = [*decoys, real] if torch.rand(1, generator=gen) < 0.7 else [real, *decoys]
+                nxt = None
+                for t in order:
+                    child = tree.add(node, t, [Draft.one_hot(0, 0, t)])
+                    if t == real:
+                        nxt = child
+                node = nxt
+            out.append(tree)
+        return out
+
+    return trees
+
+
+def test_batched_speculative_greedy_equals_transformers_generate(engine, hf_model):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (3, 17, 9, 30)]
+    results = generate_local(engine, prompts, 40, trees=noisy_oracle(hf_model, 1))
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.token_ids == hf_greedy(hf_model, prompt, 40)
+    # Speculation really accepted several tokens per step.
+    steps = sum(r.steps for r in results)
+    assert sum(len(r.token_ids) - 1 for r in results) > 1.5 * steps
+
+
+def test_incremental_decoding_equals_transformers_generate(engine, hf_model):
+    prompts = [[5, 9, 2, 77], [3] * 12]
+    results = generate_local(engine, prompts, 25)
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.token_ids == hf_greedy(hf_model, prompt, 25)
+        assert res.accepted_per_step == [1] * 24
+
+
+def test_kv_after_a_non_leftmost_path_equals_a_fresh_prefill(engine, hf_model):
+    prompt = [7, 3, 99, 45, 12, 8]
+    first = engine.prefill([PrefillSpec("s", prompt)])[0].token
+    truth = hf_greedy(hf_model, prompt + [first], 3)
+    # Root's children: two decoys, then the truth; under it a decoy, then the truth.
+    tree = TokenTree()
+    for t in (truth[0] ^ 1, truth[0] ^ 2):
+        tree.add(ROOT, t)
+    a = tree.add(ROOT, truth[0])
+    tree.add(a, truth[1] ^ 1)
+    b = tree.add(a, truth[1])
+    tree.add(b, truth[2] ^ 3)
+    out = engine.verify([("s", first, tree)])[0]
+    assert out.accepted_nodes == [a, b] and out.tokens == truth
+    seq = engine.sequences["s"]
+    logits = engine.executor.forward(ForwardArgs(
+        torch.tensor([[seq.root]]), torch.tensor([[seq.cached]]), torch.tensor([seq.slot]),
+        torch.tensor([seq.cached]), None,
+    ))[0, -1]
+    with torch.no_grad():
+        fresh = hf_model(torch.tensor([seq.tokens])).logits[0, -1]
+    assert (logits - fresh).abs().max().item() <= TOL
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
+    a = generate_local(engine, [[1, 2, 3]], 20, params=params)[0].token_ids
+    b = generate_local(engine, [[1, 2, 3]], 20, params=params)[0].token_ids
+    c = generate_local(engine, [[1, 2, 3]], 20, params=SamplingParams(0.9, top_p=0.95,
+                                                                       seed=43))[0].token_ids
+    assert a == b and a != c
+
+
+def test_capacity_is_refused_cleanly_and_freed_on_release(engine):
+    engine.prefill([PrefillSpec(f"s{i}", [1, 2, 3]) for i in range(4)])
+    with pytest.raises(ResourceExhausted):
+        engine.prefill([PrefillSpec("extra", [1, 2, 3])])
+    assert set(engine.sequences) == {f"s{i}" for i in range(4)}  # nothing lost
+    assert engine.release(["s0"]) == 1
+    engine.prefill([PrefillSpec("extra", [1, 2, 3])])
+    assert engine.info()["live_sequences"] == 4
+
+
+def test_session_prefix_is_reused_and_output_unchanged(engine, hf_model):
+    turn1 = [4, 8, 15, 16, 23, 42]
+    out1 = engine.prefill([PrefillSpec("t1", turn1, session_id="chat")])[0]
+    engine.decode([("t1", out1.token)])
+    history = engine.sequences["t1"].tokens
+    engine.release(["t1"], keep_for_session=True)
+    turn2 = history + [9, 10, 11]
+    out2 = engine.prefill([PrefillSpec("t2", turn2, session_id="chat")])[0]
+    assert out2.reused_tokens == len(history) - 1  # all but the last token were cached
+    assert out2.token == hf_greedy(hf_model, turn2, 1)[0]
+
+
+@pytest.mark.parametrize("make,field", [
+    (lambda e, root: [("nope", root, TokenTree())], "items[0].sequence_id"),
+    (lambda e, root: [("s", root + 1, TokenTree())], "items[0].root_token"),
+    (lambda e, root: [("s", root, TokenTree.chain([500]))], "items[0].tree.tokens[0]"),
+    (lambda e, root: [("s", root, TokenTree.chain(list(range(30))))], "items[0].tree"),
+    (lambda e, root: [("s", root, TokenTree()), ("s", root, TokenTree())], "items.sequence_id"),
+])
+def test_bad_verify_requests_name_the_field_and_change_nothing(engine, make, field):
+    root = engine.prefill([PrefillSpec("s", [1, 2, 3])])[0].token
+    before = list(engine.sequences["s"].tokens)
+    with pytest.raises(InvalidArgument) as err:
+        engine.verify(make(engine, root))
+    assert err.value.field == field
+    assert engine.sequences["s"].tokens == before
+    assert engine.decode([("s", root)])[0].tokens  # still serving
+
+
+def test_bad_prefill_requests(engine):
+    with pytest.raises(InvalidArgument, match="token_ids"):
+        engine.prefill([PrefillSpec("a", [])])
+    with pytest.raises(InvalidArgument, match=r"token_ids\[1\]"):
+        engine.prefill([PrefillSpec("a", [1, 128])])
+    with pytest.raises(InvalidArgument, match="max_context"):
+        engine.prefill([PrefillSpec("a", [1] * 128)])
+    engine.prefill([PrefillSpec("a", [1])])
+    with pytest.raises(InvalidArgument, match="already live"):
+        engine.prefill([PrefillSpec("a", [1])])
+
+
+def test_context_limit_is_out_of_range(engine):
+    root = engine.prefill([PrefillSpec("s", [1] * 120)])[0].token
+    with pytest.raises(OutOfRange):
+        engine.verify([("s", root, TokenTree.chain([1] * 10))])

@@ -1,0 +1,123 @@
+"""The verifier as a real gRPC service in its own process: RPCs, health, reflection,
+status codes for bad requests (and it keeps serving), graceful SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from servers import service
+from specinfer.tree import ROOT, TokenTree
+from specinfer.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specinfer.wire import tree_to_proto
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_llama):
+    with service("verifier", "--llm", tiny_llama, "--max-context", "64", "--slots", "3",
+                 "--max-tree-nodes", "8") as (addr, proc):
+        channel = grpc.insecure_channel(addr)
+        yield verifier_pb2_grpc.VerifierStub(channel), channel, proc
+        channel.close()
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code(), err.value.details()
+
+
+def prefill(stub, sid, tokens, **sampling):
+    req = verifier_pb2.PrefillRequest(items=[verifier_pb2.PrefillItem(
+        sequence_id=sid, token_ids=tokens, sampling=common_pb2.SamplingParams(**sampling))])
+    return stub.Prefill(req, timeout=30).results[0]
+
+
+def test_prefill_verify_decode_release(verifier):
+    stub, _, _ = verifier
+    info = stub.Info(verifier_pb2.InfoRequest(), timeout=10)
+    assert info.vocab_size == 128 and info.dtype == "float32" and info.max_tree_nodes == 8
+    first = prefill(stub, "a", [1, 2, 3, 4]).token
+    tree = TokenTree()
+    x = tree.add(ROOT, 5)
+    tree.add(x, 6)
+    tree.add(ROOT, 7)
+    res = stub.Verify(verifier_pb2.VerifyRequest(items=[verifier_pb2.VerifyItem(
+        sequence_id="a", root_token=first, tree=tree_to_proto(tree))]), timeout=30).results[0]
+    assert 1 <= len(res.tokens) <= 3 and res.cached_tokens == 4 + len(res.tokens)
+    dec = stub.Decode(verifier_pb2.DecodeRequest(items=[verifier_pb2.DecodeItem(
+        sequence_id="a", root_token=res.tokens[-1])]), timeout=30).results[0]
+    assert dec.cached_tokens == res.cached_tokens + 1
+    assert stub.Release(verifier_pb2.ReleaseRequest(sequence_ids=["a"]), timeout=10).released == 1
+
+
+def test_health_and_reflection(verifier):
+    _, channel, _ = verifier
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service="specinfer.v1.Verifier"),
+                        timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    reply = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        list_services="")]), timeout=5))
+    names = {s.name for s in reply.list_services_response.service}
+    assert "specinfer.v1.Verifier" in names
+
+
+def test_bad_requests_get_precise_codes_and_the_service_keeps_serving(verifier):
+    stub, _, _ = verifier
+    root = prefill(stub, "b", [3, 4, 5]).token
+
+    def verify(sid, root_token, tree_msg):
+        return lambda: stub.Verify(verifier_pb2.VerifyRequest(items=[verifier_pb2.VerifyItem(
+            sequence_id=sid, root_token=root_token, tree=tree_msg)]), timeout=30)
+
+    cases = [
+        (verify("ghost", root, common_pb2.TokenTree()), "sequence_id"),
+        (verify("b", root, common_pb2.TokenTree(tokens=[999], parents=[-1])), "tokens[0]"),
+        (verify("b", root, common_pb2.TokenTree(tokens=[1, 2], parents=[1, -1])), "parents"),
+        (verify("b", root, tree_to_proto(TokenTree.chain(list(range(9))))), "tree"),
+        (lambda: prefill(stub, "c", []), "token_ids"),
+        (lambda: prefill(stub, "c", [1], temperature=-1.0), "temperature"),
+        (lambda: prefill(stub, "c", [1], temperature=1.0, top_p=1.5), "top_p"),
+    ]
+    for call, field in cases:
+        code, details = code_of(call)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert field in details
+    # Capacity: 3 slots, "b" holds one.
+    prefill(stub, "c1", [1])
+    prefill(stub, "c2", [1])
+    code, details = code_of(lambda: prefill(stub, "c3", [1]))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    stub.Release(verifier_pb2.ReleaseRequest(sequence_ids=["c1", "c2"]), timeout=10)
+    # A deadline shorter than the work: DEADLINE_EXCEEDED, and the sequence is not admitted
+    # on a later retry's behalf (release it if it was).
+    code, _ = code_of(lambda: stub.Prefill(verifier_pb2.PrefillRequest(items=[
+        verifier_pb2.PrefillItem(sequence_id="late", token_ids=[1] * 60)]), timeout=0.002))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    stub.Release(verifier_pb2.ReleaseRequest(sequence_ids=["late"]), timeout=10)
+    # "b" is untouched and still decodes.
+    out = stub.Decode(verifier_pb2.DecodeRequest(items=[verifier_pb2.DecodeItem(
+        sequence_id="b", root_token=root)]), timeout=30).results[0]
+    assert out.cached_tokens == 4
+    stub.Release(verifier_pb2.ReleaseRequest(sequence_ids=["b"]), timeout=10)
+
+
+def test_sigterm_stops_cleanly(tiny_llama):
+    with service("verifier", "--llm", tiny_llama) as (_, proc):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "specinfer", "serve", "verifier", "--llm",
+                          str(tmp_path / "nope"), "--port", "0"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert "not found" in out.stderr
