@@ -59,9 +59,14 @@ class SSMDrafter:
     def forget(self, sequence_id: str) -> None:
         self.entries.pop(sequence_id, None)
 
-    def _forward(self, tokens, positions, slots, offsets, visible) -> torch.Tensor:
+    def _forward(self, tokens, positions, slots, offsets, visible,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of every query, or with ``rows`` ([B] query index) of one per row: the
+        vocabulary head dominates a small model's cost."""
         rt = self.runtime
         hidden = rt.layers_forward(rt.embed(tokens), positions, slots, offsets, visible)
+        if rows is not None:
+            hidden = hidden[torch.arange(hidden.shape[0]), rows][:, None]
         return rt.logits(hidden)
 
     def _catch_up(self, slots: list[int], feeds: list[list[int]], starts: list[int]):
@@ -81,9 +86,10 @@ class SSMDrafter:
             key_len = max(prefix) + q
             logits = self._forward(batch.tokens, batch.position_ids,
                                    torch.tensor([slots[b] for b in rows]), batch.prefix_lens,
-                                   batch.visibility(key_len))
+                                   batch.visibility(key_len),
+                                   rows=torch.tensor([len(c) - 1 for c in chunks]))
             for i, b in enumerate(rows):
-                last[b] = logits[i, len(chunks[i]) - 1]
+                last[b] = logits[i, 0]
                 pos[b] += len(chunks[i])
         return torch.stack(last)
 
