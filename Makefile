@@ -34,7 +34,7 @@ test: setup lint
 	$(VENV)/bin/pytest
 
 run: setup
-	$(VENV)/bin/specinfer up
+	$(VENV)/bin/specinfer serve verifier
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
