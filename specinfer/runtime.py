@@ -96,12 +96,13 @@ class LlamaRuntime:
                        offsets: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
         """Run this stage's layers. ``hidden [B, Q, H]``; ``positions [B, Q]`` rotary
         positions; ``slots [B]`` cache slots; ``offsets [B]`` where query 0's K/V is written;
+        ``offsets [B, Q]`` gives every query's own cache position instead.
         ``visible [B, Q, K]`` bool, or None when every query sees every key up to its own
         position (a single row decoding one token)."""
         b, q, _ = hidden.shape
         cos, sin = self.body.rotary_emb(hidden, positions)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, Q, 1, D]
-        write_pos = offsets[:, None] + torch.arange(q)[None, :]
+        write_pos = offsets if offsets.dim() == 2 else offsets[:, None] + torch.arange(q)[None, :]
         write_slot = slots[:, None].expand(b, q)
         key_len = int(write_pos.max()) + 1 if visible is None else visible.shape[-1]
         mask = None

@@ -2,13 +2,22 @@
 
 The SSM runs on the same tree-attention runtime as the LLM, with a KV slot per sequence:
 each call feeds only the context tokens the slot does not hold yet (the common prefix with
-what it cached is reused; a miss or a stale entry simply costs more tokens, never a
-different tree), then grows each sequence's tree level by level, one batched forward per
-level, every new node attending to the context and its own ancestors.
+what it cached is reused; a miss or a stale entry costs more tokens, never a different
+tree), then grows each sequence's tree level by level, one batched forward per level, every
+node written at cache position (root + 1 + node index) and attending to the context and
+its own ancestors.
+
+Trees are static (the paper's expansion configs, e.g. ⟨1,1,3,1,1,1,1,1⟩) or dynamic
+(EAGLE-2 style, greedy only: expand the ``beam`` nodes with the highest path probability at
+each level, then keep the ``max_nodes`` most probable nodes).
+
+An SSM may carry a reduced vocabulary (``vocab_ids``): its head scores only those LLM token
+ids, so its drafts' proposals have exactly that support.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -23,14 +32,18 @@ from specinfer.tree import ROOT, TokenTree, TreeBatch, expand_level
 class DraftRequest:
     sequence_id: str
     context: list[int]  # prompt + generated; the last token is the tree's root
-    expansion: list[int]
+    expansion: list[int] = field(default_factory=lambda: [1, 1, 3, 1, 1, 1, 1, 1])
     params: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None
+    dynamic: bool = False  # greedy requests only
+    max_nodes: int = 64
 
 
 class SSMDrafter:
     def __init__(self, model, source: int = 0, slots: int = 16, max_context: int = 2048,
-                 max_tree_nodes: int = 64, draft_top_k: int = 32, chunk: int = 256) -> None:
+                 max_tree_nodes: int = 64, draft_top_k: int = 32, chunk: int = 256,
+                 vocab_ids: torch.Tensor | None = None, llm_vocab_size: int | None = None,
+                 dynamic_beam: int = 4, dynamic_top_k: int = 4, dynamic_depth: int = 6) -> None:
         self.source = source
         self.max_context = max_context
         self.max_tree_nodes = max_tree_nodes
@@ -38,6 +51,10 @@ class SSMDrafter:
         self.chunk = chunk
         self.runtime = LlamaRuntime(model, slots, max_context + max_tree_nodes + 1)
         self.slots = slots
+        self.vocab_ids = vocab_ids
+        self.vocab_size = llm_vocab_size or model.config.vocab_size
+        self.dynamic_beam, self.dynamic_top_k = dynamic_beam, dynamic_top_k
+        self.dynamic_depth = dynamic_depth
         # sequence id -> (slot, tokens whose K/V the slot holds); LRU order.
         self.entries: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
 
@@ -49,10 +66,7 @@ class SSMDrafter:
             return self.entries[sequence_id]
         used = {slot for slot, _ in self.entries.values()}
         free = [s for s in range(self.slots) if s not in used]
-        if free:
-            slot = free[0]
-        else:
-            _, (slot, _) = self.entries.popitem(last=False)
+        slot = free[0] if free else self.entries.popitem(last=False)[1][0]
         self.entries[sequence_id] = (slot, [])
         return slot, []
 
@@ -61,18 +75,23 @@ class SSMDrafter:
 
     def _forward(self, tokens, positions, slots, offsets, visible,
                  rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of every query, or with ``rows`` ([B] query index) of one per row: the
-        vocabulary head dominates a small model's cost."""
+        """Full-vocabulary logits of every query, or with ``rows`` ([B] query index) of one
+        query per row: the vocabulary head dominates a small model's cost."""
         rt = self.runtime
         hidden = rt.layers_forward(rt.embed(tokens), positions, slots, offsets, visible)
         if rows is not None:
             hidden = hidden[torch.arange(hidden.shape[0]), rows][:, None]
-        return rt.logits(hidden)
+        logits = rt.logits(hidden)
+        if self.vocab_ids is None:
+            return logits
+        full = torch.full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.vocab_ids] = logits
+        return full
 
     def _catch_up(self, slots: list[int], feeds: list[list[int]], starts: list[int]):
-        """Feed each row's missing tokens (chunked); returns the logits after each row's
-        last token, ``[B, V]``."""
-        last = [None] * len(feeds)
+        """Feed each row's missing tokens (chunked); the logits after each row's last
+        token, ``[B, V]``."""
+        last: list[torch.Tensor | None] = [None] * len(feeds)
         pos = [0] * len(feeds)
         while True:
             rows = [b for b in range(len(feeds)) if pos[b] < len(feeds[b])]
@@ -82,8 +101,7 @@ class SSMDrafter:
             prefix = [starts[b] + pos[b] for b in rows]
             batch = TreeBatch.build([TokenTree.chain(c[1:]) for c in chunks],
                                     [c[0] for c in chunks], prefix)
-            q = batch.tokens.shape[1]
-            key_len = max(prefix) + q
+            key_len = max(prefix) + batch.tokens.shape[1]
             logits = self._forward(batch.tokens, batch.position_ids,
                                    torch.tensor([slots[b] for b in rows]), batch.prefix_lens,
                                    batch.visibility(key_len),
@@ -102,14 +120,19 @@ class SSMDrafter:
         params = SamplingParams(req.params.temperature, k, req.params.top_p, req.params.min_p)
         return target_probs(logits, params)
 
-    @torch.inference_mode()
-    def propose(self, requests: list[DraftRequest]) -> list[TokenTree]:
+    def validate(self, requests: list[DraftRequest]) -> None:
         for i, req in enumerate(requests):
             if not req.context:
                 raise ValueError(f"items[{i}].context is empty")
-            if len(req.context) + sum(1 for _ in req.expansion) > self.max_context:
+            if any(not 0 <= t < self.vocab_size for t in req.context):
+                raise ValueError(f"items[{i}].context holds a token id outside the vocabulary")
+            if len(req.context) > self.max_context:
                 raise ValueError(f"items[{i}].context is longer than max_context "
                                  f"{self.max_context}")
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[TokenTree]:
+        self.validate(requests)
         slots, feeds, starts = [], [], []
         for req in requests:
             slot, cached = self._slot(req.sequence_id)
@@ -124,54 +147,96 @@ class SSMDrafter:
         for req, slot in zip(requests, slots, strict=True):
             self.entries[req.sequence_id] = (slot, list(req.context))
 
+        n = len(requests)
+        dynamic = [r.dynamic and r.params.greedy for r in requests]
+        budget = [min(r.max_nodes or self.max_tree_nodes, self.max_tree_nodes)
+                  for r in requests]
+        depth_of = [self.dynamic_depth if dyn else len(r.expansion)
+                    for r, dyn in zip(requests, dynamic, strict=True)]
         trees = [TokenTree() for _ in requests]
-        frontiers: list[list[int]] = [[ROOT] for _ in requests]
-        logits_rows = [root_logits[b : b + 1] for b in range(len(requests))]
-        depth = max((len(r.expansion) for r in requests), default=0)
-        for level in range(depth):
+        scores: list[list[float]] = [[] for _ in requests]  # path log-prob per node
+        expand: list[list[int]] = [[ROOT] for _ in requests]  # nodes to expand next
+        logits_of: list[dict[int, torch.Tensor]] = [{ROOT: root_logits[b]} for b in range(n)]
+        for level in range(max(depth_of, default=0)):
+            new_nodes: list[list[int]] = [[] for _ in requests]
             for b, req in enumerate(requests):
-                width = req.expansion[level] if level < len(req.expansion) else 0
-                budget = self.max_tree_nodes - len(trees[b])
-                if width <= 0 or not frontiers[b] or budget <= 0:
-                    frontiers[b] = []
+                if level >= depth_of[b] or not expand[b]:
                     continue
-                width = min(width, budget)
-                frontier = frontiers[b][: max(1, budget // width)]
-                probs = self._draft_probs(logits_rows[b][: len(frontier)], req)
-                frontiers[b] = expand_level(
-                    trees[b], frontier, probs, width, source=self.source,
-                    sample=not req.params.greedy, replacement=True, generator=req.generator,
-                )
-            if level + 1 < depth and any(frontiers):
-                logits_rows = self._expand_forward(requests, slots, trees, frontiers)
-        return trees
+                width = self.dynamic_top_k if dynamic[b] else req.expansion[level]
+                # Dynamic trees draw up to 4x the budget in candidates, then prune.
+                room = (4 if dynamic[b] else 1) * budget[b] - len(trees[b])
+                width = min(width, room)
+                if width <= 0:
+                    continue
+                frontier = expand[b][: max(1, room // width)]
+                probs = self._draft_probs(torch.stack([logits_of[b][u] for u in frontier]), req)
+                before = len(trees[b])
+                expand_level(trees[b], frontier, probs, width, source=self.source,
+                             sample=not req.params.greedy, replacement=True,
+                             generator=req.generator)
+                row = {u: i for i, u in enumerate(frontier)}
+                for node in range(before, len(trees[b])):
+                    parent = trees[b].parents[node]
+                    p = float(probs[row[parent], trees[b].tokens[node]])
+                    base = scores[b][parent] if parent != ROOT else 0.0
+                    scores[b].append(base + math.log(max(p, 1e-30)))
+                new_nodes[b] = list(range(before, len(trees[b])))
+            # Choose what the next level expands, then score those nodes' children.
+            for b in range(n):
+                if dynamic[b]:
+                    ranked = sorted(new_nodes[b], key=lambda u, b=b: -scores[b][u])
+                    expand[b] = ranked[: self.dynamic_beam]
+                else:
+                    expand[b] = new_nodes[b]
+                if level + 1 >= depth_of[b]:
+                    expand[b] = []
+            if any(expand):
+                for b, rows in enumerate(self._expand_forward(requests, slots, trees, expand)):
+                    logits_of[b] = dict(zip(expand[b], rows, strict=True)) if expand[b] else {}
+        return [self._prune(t, s, budget[b]) if dynamic[b] else t
+                for b, (t, s) in enumerate(zip(trees, scores, strict=True))]
 
-    def _expand_forward(self, requests, slots, trees, frontiers) -> list[torch.Tensor]:
-        """Logits after each frontier node: one forward, the nodes as queries written at
-        (root position + 1 + node index), each seeing the context and its ancestors."""
-        rows = [b for b in range(len(requests)) if frontiers[b]]
-        q = max(len(frontiers[b]) for b in rows)
+    @staticmethod
+    def _prune(tree: TokenTree, scores: list[float], budget: int) -> TokenTree:
+        """Keep the ``budget`` most probable nodes. A child's path probability never
+        exceeds its parent's, so (ties broken by depth) the kept set holds its ancestors."""
+        if len(tree) <= budget:
+            return tree
+        keep = sorted(range(len(tree)), key=lambda u: (-scores[u], tree.depths[u], u))[:budget]
+        kept, remap = TokenTree(), {ROOT: ROOT}
+        for u in sorted(keep):
+            remap[u] = kept.add(remap[tree.parents[u]], tree.tokens[u], tree.drafts[u])
+        return kept
+
+    def _expand_forward(self, requests, slots, trees, expand) -> list[torch.Tensor]:
+        """Logits after each node in ``expand`` (per row): one forward, each node written at
+        (root position + 1 + node index) and seeing the context and its ancestors."""
+        rows = [b for b in range(len(requests)) if expand[b]]
+        q = max(len(expand[b]) for b in rows)
         base = [len(requests[b].context) - 1 for b in rows]  # the root's cache position
-        offsets = [base[i] + 1 + frontiers[b][0] for i, b in enumerate(rows)]
-        key_len = max(o + q for o in offsets)
+        key_len = max(base[i] + 2 + max(expand[b]) for i, b in enumerate(rows))
+        key_len = max(key_len, max(base) + 1 + q)
         tokens = torch.zeros(len(rows), q, dtype=torch.long)
         positions = torch.zeros(len(rows), q, dtype=torch.long)
+        write = torch.zeros(len(rows), q, dtype=torch.long)
         visible = torch.zeros(len(rows), q, key_len, dtype=torch.bool)
         for i, b in enumerate(rows):
-            tree, nodes = trees[b], frontiers[b]
+            tree, nodes = trees[b], expand[b]
             anc = tree.ancestors()
             visible[i, :, : base[i] + 1] = True  # context and root
-            for j, n in enumerate(nodes):
-                tokens[i, j] = tree.tokens[n]
-                positions[i, j] = base[i] + tree.depths[n]
-                cols = base[i] + 1 + torch.nonzero(anc[n]).squeeze(1)
-                visible[i, j, cols] = True
-            for j in range(len(nodes), q):  # padding sees itself only
-                positions[i, j] = base[i]
-                visible[i, j, offsets[i] + j] = True
+            for j, u in enumerate(nodes):
+                tokens[i, j] = tree.tokens[u]
+                positions[i, j] = base[i] + tree.depths[u]
+                write[i, j] = base[i] + 1 + u
+                visible[i, j, base[i] + 1 + torch.nonzero(anc[u]).squeeze(1)] = True
+            # Padding queries rewrite the last real node's K/V with identical values.
+            for j in range(len(nodes), q):
+                last = len(nodes) - 1
+                tokens[i, j], positions[i, j] = tokens[i, last], positions[i, last]
+                write[i, j], visible[i, j] = write[i, last], visible[i, last]
         logits = self._forward(tokens, positions, torch.tensor([slots[b] for b in rows]),
-                               torch.tensor(offsets), visible)
+                               write, visible)
         out: list[torch.Tensor] = [torch.empty(0)] * len(requests)
         for i, b in enumerate(rows):
-            out[b] = logits[i, : len(frontiers[b])]
+            out[b] = logits[i, : len(expand[b])]
         return out

@@ -1,6 +1,8 @@
 """The SSM drafter: cached tree drafting equals uncached expansion, cache hits equal
 misses, and stochastic drafts record the distribution they were drawn from."""
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -66,3 +68,43 @@ def test_node_budget_is_respected(hf_model):
     drafter = SSMDrafter(hf_model, slots=1, max_context=128, max_tree_nodes=10)
     tree = drafter.propose([DraftRequest("s", [1, 2, 3], [4, 4, 4])])[0]
     assert len(tree) <= 10
+
+
+def test_dynamic_tree_keeps_the_most_probable_nodes(hf_model):
+    drafter = SSMDrafter(hf_model, slots=1, max_context=128, dynamic_beam=3, dynamic_top_k=3,
+                         dynamic_depth=4)
+    ctx = [4, 5, 6, 7]
+    tree = drafter.propose([DraftRequest("s", ctx, dynamic=True, max_nodes=12)])[0]
+    assert len(tree) == 12
+    draft_fn = uncached_probs(hf_model, ctx)
+    # Every node is among its parent's top-3 under the uncached model; the root's top-1
+    # is kept.
+    for node in range(len(tree)):
+        parent = tree.parents[node]
+        probs = draft_fn([tree.path_tokens(parent) if parent != ROOT else []])[0]
+        assert tree.tokens[node] in torch.topk(probs, 3).indices.tolist()
+    top1 = int(draft_fn([[]])[0].argmax())
+    assert tree.child(ROOT, top1) is not None
+
+
+def test_prune_keeps_the_most_probable_ancestor_closed_nodes():
+    from specinfer.tree import TokenTree
+    tree = TokenTree()
+    a = tree.add(ROOT, 1)      # 0.9
+    b = tree.add(ROOT, 2)      # 0.1
+    c = tree.add(a, 3)         # 0.9 * 0.8
+    tree.add(b, 4)             # 0.1 * 0.9
+    d = tree.add(c, 5)         # 0.9 * 0.8 * 0.7
+    scores = [math.log(x) for x in (0.9, 0.1, 0.72, 0.09, 0.504)]
+    kept = SSMDrafter._prune(tree, scores, 3)
+    assert kept.paths() == {(1,), (1, 3), (1, 3, 5)}
+    assert d == 4 and len(SSMDrafter._prune(tree, scores, 10)) == 5
+
+
+def test_stochastic_requests_ignore_dynamic_and_stay_valid(hf_model):
+    drafter = SSMDrafter(hf_model, slots=1, max_context=128)
+    params = SamplingParams(temperature=1.0, seed=3)
+    tree = drafter.propose([DraftRequest("s", [1, 2], [2, 2], params,
+                                         torch.Generator().manual_seed(1), dynamic=True)])[0]
+    assert all(len(d) >= 1 and d[0].q_ids for d in tree.drafts)
+    assert max(tree.depths) == 2

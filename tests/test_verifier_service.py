@@ -9,8 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
 from servers import service
+
 from specinfer.tree import ROOT, TokenTree
 from specinfer.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specinfer.wire import tree_to_proto
