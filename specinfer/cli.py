@@ -43,6 +43,59 @@ def serve_verifier(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_speculator_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llm", default=DEFAULT_LLM, help="the LLM the SSMs draft for")
+    p.add_argument("--ssm", action="append", default=None,
+                   help="an SSM (repeatable): a boost-tune output directory, a model, or "
+                        "LLM#layers=N; default: the bundled pool if present")
+    p.add_argument("--no-ngram", action="store_true", help="disable prompt-lookup drafts")
+    p.add_argument("--expansion", default="1,1,3,1,1,1,1,1",
+                   help="children per level of a static tree")
+    p.add_argument("--max-nodes", type=int, default=64, help="node budget per tree")
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--slots", type=int, default=16, help="sequences with cached SSM KV")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50052)
+    p.add_argument("--threads", type=int, default=0)
+
+
+def build_speculator(args: argparse.Namespace):
+    import torch
+
+    from services.speculator.engine import SpeculatorEngine
+    from specinfer.models import default_pool, load_ssm
+    from specinfer.ssm import SSMDrafter
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    refs = args.ssm if args.ssm is not None else default_pool(args.llm)
+    pool, vocab = [], None
+    for source, ref in enumerate(refs):
+        model, vocab_ids = load_ssm(ref)
+        vocab = vocab or model.config.vocab_size
+        pool.append(SSMDrafter(model, source, slots=args.slots, max_context=args.max_context,
+                               max_tree_nodes=args.max_nodes, vocab_ids=vocab_ids,
+                               llm_vocab_size=model.config.vocab_size))
+    if vocab is None:
+        from transformers import AutoConfig
+
+        from specinfer.models import materialize
+
+        vocab = AutoConfig.from_pretrained(materialize(args.llm)).vocab_size
+    expansion = [int(x) for x in args.expansion.split(",") if x.strip()]
+    log.info("speculator ready", extra={"ssms": len(pool), "ngram": not args.no_ngram,
+                                        "expansion": expansion})
+    return SpeculatorEngine(pool, vocab, ngram=not args.no_ngram, expansion=expansion,
+                            max_nodes=args.max_nodes)
+
+
+def serve_speculator(args: argparse.Namespace) -> int:
+    from services.speculator.server import serve
+
+    asyncio.run(serve(lambda: build_speculator(args), args.host, args.port))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specinfer", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -51,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_p = sub.add_parser("serve", help="run one service, as the Helm chart does")
     roles = serve_p.add_subparsers(dest="role", required=True)
     _add_verifier_args(roles.add_parser("verifier", help="the LLM and its KV cache"))
+    _add_speculator_args(roles.add_parser("speculator", help="SSMs and drafters: token trees"))
 
     args = parser.parse_args(argv)
     from specinfer.logs import setup_logging
@@ -59,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve" and args.role == "verifier":
             return serve_verifier(args)
+        if args.command == "serve" and args.role == "speculator":
+            return serve_speculator(args)
     except ModelError as exc:
         print(f"specinfer: {exc}", file=sys.stderr)
         return 2

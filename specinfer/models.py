@@ -134,3 +134,62 @@ def load_model(ref: str, dtype: torch.dtype = torch.float32):
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     model.eval().requires_grad_(False)
     return model
+
+
+# --- small speculative models --------------------------------------------------------
+
+SSM_MANIFEST = "ssm.json"
+
+
+def load_ssm(ref: str, dtype: torch.dtype = torch.float32):
+    """Load an SSM; returns (model, vocab_ids or None).
+
+    ``ref`` is one of:
+      - ``LLM_REF#layers=N``: the first N layers of an LLM (with its norm and head), untrained;
+      - a directory written by ``specinfer boost-tune`` (``ssm.json``: base LLM, layer count,
+        optional reduced vocabulary; only the SSM's own weights are stored, the token
+        embedding is the base LLM's);
+      - any model reference ``load_model`` accepts.
+    """
+    import json
+
+    from safetensors.torch import load_file
+
+    if "#layers=" in ref:
+        base, _, n = ref.partition("#layers=")
+        model = load_model(base, dtype)
+        return _truncate(model, int(n)), None
+    path = Path(ref).expanduser()
+    manifest = path / SSM_MANIFEST
+    if not manifest.exists():
+        return load_model(ref, dtype), None
+    spec = json.loads(manifest.read_text())
+    model = _truncate(load_model(spec["base"], dtype), int(spec["layers"]))
+    state = load_file(str(path / spec["weights"]))
+    vocab_ids = None
+    if spec.get("vocab_size"):
+        vocab_ids = state.pop("vocab_ids").long()
+        head = torch.nn.Linear(model.config.hidden_size, len(vocab_ids), bias=False)
+        model.lm_head = head
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(dtype) for k, v in state.items()}, strict=False)
+    if unexpected:
+        raise ModelError(f"SSM {ref!r} has unexpected weights: {unexpected[:3]}")
+    model.eval().requires_grad_(False)
+    return model, vocab_ids
+
+
+def _truncate(model, layers: int):
+    if not 1 <= layers <= model.config.num_hidden_layers:
+        raise ModelError(f"an SSM needs 1..{model.config.num_hidden_layers} layers, got {layers}")
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    return model
+
+
+def default_pool(llm: str) -> list[str]:
+    """The bundled boost-tuned SSM pool for ``llm`` (``specinfer/pools/<alias>/ssm-*``)."""
+    root = Path(__file__).resolve().parent / "pools" / llm
+    if not root.is_dir():
+        return []
+    return [str(p) for p in sorted(root.glob("ssm-*")) if (p / SSM_MANIFEST).exists()]

@@ -1,0 +1,112 @@
+"""The speculator engine: one merged token tree per sequence from a pool of SSMs and the
+n-gram drafter. Stateless: each SSM's per-sequence KV cache is an optimisation only.
+
+Draft sources are numbered: SSM i is source i, the n-gram drafter is source len(pool).
+Each source gets its own share of the node budget, so the merged tree respects it without
+cutting drafts out of a source's order (which MSS relies on).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from specinfer.errors import InvalidArgument
+from specinfer.ngram import ngram_tree
+from specinfer.sampling import SamplingParams
+from specinfer.ssm import DraftRequest, SSMDrafter
+from specinfer.tree import TokenTree, merge_trees
+
+DEFAULT_EXPANSION = [1, 1, 3, 1, 1, 1, 1, 1]
+
+
+@dataclass
+class SpeculateSpec:
+    sequence_id: str
+    context: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    expansion: list[int] = field(default_factory=list)  # empty = server default
+    max_nodes: int = 0  # 0 = server default
+    dynamic: bool = False
+
+
+class SpeculatorEngine:
+    def __init__(self, pool: list[SSMDrafter], vocab_size: int, *, ngram: bool = True,
+                 expansion: list[int] | None = None, max_nodes: int = 64,
+                 ngram_depth: int = 6, ngram_branches: int = 2) -> None:
+        self.pool = pool
+        self.vocab_size = vocab_size
+        self.ngram = ngram
+        self.expansion = expansion or DEFAULT_EXPANSION
+        self.max_nodes = max_nodes
+        self.ngram_depth = ngram_depth
+        self.ngram_branches = ngram_branches
+
+    @property
+    def num_sources(self) -> int:
+        return len(self.pool) + (1 if self.ngram else 0)
+
+    def validate(self, specs: list[SpeculateSpec]) -> None:
+        for i, s in enumerate(specs):
+            if not s.sequence_id:
+                raise InvalidArgument(f"items[{i}].sequence_id", "must not be empty")
+            if not s.context:
+                raise InvalidArgument(f"items[{i}].context", "must hold at least the root token")
+            bad = next((t for t in s.context if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(f"items[{i}].context",
+                                      f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
+            if s.max_nodes > self.max_nodes:
+                raise InvalidArgument(f"items[{i}].tree.max_nodes",
+                                      f"{s.max_nodes} exceeds the server's budget {self.max_nodes}")
+            if any(w > 16 for w in s.expansion) or len(s.expansion) > 32:
+                raise InvalidArgument(f"items[{i}].tree.expansion",
+                                      "at most 32 levels of at most 16 children")
+            if sum(_level_sizes(s.expansion)) > self.max_nodes:
+                raise InvalidArgument(f"items[{i}].tree.expansion",
+                                      f"a tree of {sum(_level_sizes(s.expansion))} nodes exceeds "
+                                      f"the budget {self.max_nodes}")
+
+    def speculate(self, specs: list[SpeculateSpec]) -> list[TokenTree]:
+        self.validate(specs)
+        budgets = [(s.max_nodes or self.max_nodes) for s in specs]
+        per_source = [max(1, b // max(1, self.num_sources)) for b in budgets]
+        trees: list[list[TokenTree]] = [[] for _ in specs]
+        for source, drafter in enumerate(self.pool):
+            requests = [
+                DraftRequest(s.sequence_id, s.context, s.expansion or self.expansion, s.params,
+                             _generator(s, source), s.dynamic, per_source[i])
+                for i, s in enumerate(specs)
+            ]
+            for i, tree in enumerate(drafter.propose(requests)):
+                trees[i].append(tree)
+        if self.ngram:
+            for i, s in enumerate(specs):
+                depth = min(self.ngram_depth, per_source[i])
+                trees[i].append(ngram_tree(s.context, depth, branches=self.ngram_branches,
+                                           source=len(self.pool), max_nodes=per_source[i]))
+        return [merge_trees(t) for t in trees]
+
+
+def _level_sizes(expansion: list[int]) -> list[int]:
+    sizes, width = [], 1
+    for w in expansion:
+        width *= w
+        sizes.append(width)
+    return sizes
+
+
+def _generator(spec: SpeculateSpec, source: int) -> torch.Generator | None:
+    """Stateless but reproducible: a seeded request drafts from a stream derived from its
+    seed, the context length and the source."""
+    if spec.params.greedy:
+        return None
+    g = torch.Generator()
+    if spec.params.seed is None:
+        g.seed()
+    else:
+        key = f"{spec.params.seed}:{len(spec.context)}:{source}".encode()
+        g.manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
+    return g

@@ -1,0 +1,61 @@
+"""The speculator's gRPC service (``specinfer serve speculator``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from services.speculator.engine import SpeculateSpec, SpeculatorEngine
+from specinfer.grpc_server import Service, abort_on_error
+from specinfer.sampling import SamplingParams
+from specinfer.v1 import speculator_pb2, speculator_pb2_grpc
+from specinfer.wire import tree_to_proto
+
+log = logging.getLogger(__name__)
+
+
+def specs_from_proto(request: speculator_pb2.SpeculateRequest) -> list[SpeculateSpec]:
+    specs = []
+    for i, item in enumerate(request.items):
+        try:
+            params = SamplingParams.from_proto(item.sampling)
+        except ValueError as exc:
+            raise ValueError(f"items[{i}].sampling.{exc}") from exc
+        specs.append(SpeculateSpec(item.sequence_id, list(item.context), params,
+                                   list(item.tree.expansion), item.tree.max_nodes,
+                                   item.tree.dynamic))
+    return specs
+
+
+class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
+    def __init__(self) -> None:
+        self.engine: SpeculatorEngine | None = None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculator")
+
+    async def Speculate(self, request, context):
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the SSMs are still loading")
+        try:
+            trees = await asyncio.get_running_loop().run_in_executor(
+                self.pool, lambda: self.engine.speculate(specs_from_proto(request)))
+        except Exception as exc:
+            log.info("request failed", extra={"method": "Speculate", "error": str(exc)})
+            await abort_on_error(context, exc)
+        return speculator_pb2.SpeculateResponse(results=[
+            speculator_pb2.SpeculateResult(sequence_id=item.sequence_id, tree=tree_to_proto(t))
+            for item, t in zip(request.items, trees, strict=True)
+        ])
+
+
+async def serve(build, host: str, port: int, grace_s: float = 10.0) -> None:
+    service = Service("speculator", host, port)
+    servicer = SpeculatorServicer()
+    speculator_pb2_grpc.add_SpeculatorServicer_to_server(servicer, service.server)
+    service.add(speculator_pb2.DESCRIPTOR.services_by_name["Speculator"].full_name)
+    await service.start()
+    servicer.engine = await asyncio.get_running_loop().run_in_executor(servicer.pool, build)
+    await service.set_serving()
+    await service.run_until_signal(grace_s)

@@ -1,0 +1,100 @@
+"""The speculator: merged trees from an SSM pool and the n-gram drafter, and the gRPC
+service's answers to good and bad requests."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from conftest import save_tiny_llama
+from servers import service
+
+from services.speculator.engine import SpeculateSpec, SpeculatorEngine
+from specinfer.models import load_ssm
+from specinfer.ngram import ngram_tree
+from specinfer.sampling import SamplingParams
+from specinfer.ssm import DraftRequest, SSMDrafter
+from specinfer.v1 import common_pb2, speculator_pb2, speculator_pb2_grpc
+from specinfer.wire import tree_from_proto
+
+
+@pytest.fixture(scope="module")
+def second_llama(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-b"), seed=1, layers=2)
+
+
+def drafter(ref, source):
+    model, vocab_ids = load_ssm(ref)
+    return SSMDrafter(model, source, slots=4, max_context=128, vocab_ids=vocab_ids)
+
+
+def test_merged_tree_is_the_union_of_every_source(tiny_llama, second_llama):
+    engine = SpeculatorEngine([drafter(tiny_llama, 0), drafter(second_llama, 1)], 128,
+                              expansion=[2, 2, 1], max_nodes=60)
+    context = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
+    merged = engine.speculate([SpeculateSpec("s", context)])[0]
+    alone = [drafter(ref, i).propose([DraftRequest("x", context, [2, 2, 1], max_nodes=20)])[0]
+             for i, ref in enumerate((tiny_llama, second_llama))]
+    ngram = ngram_tree(context, 6, branches=2, source=2, max_nodes=20)
+    assert len(ngram) > 0
+    assert merged.paths() == alone[0].paths() | alone[1].paths() | ngram.paths()
+    sources = {d.source for drafts in merged.drafts for d in drafts}
+    assert sources == {0, 1, 2}
+
+
+def test_truncated_ssm_reference(tiny_llama):
+    model, vocab_ids = load_ssm(f"{tiny_llama}#layers=2")
+    assert model.config.num_hidden_layers == 2 and len(model.model.layers) == 2
+    assert vocab_ids is None
+
+
+def test_ngram_tree_follows_earlier_occurrences():
+    tree = ngram_tree([1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2, 3], 3, branches=2)
+    assert tree.paths() == {(7,), (7, 1), (7, 1, 2), (4,), (4, 9), (4, 9, 1)}
+    assert len(ngram_tree([1, 2, 3], 4)) == 0
+
+
+@pytest.fixture(scope="module")
+def speculator(tiny_llama):
+    with service("speculator", "--llm", tiny_llama, "--ssm", tiny_llama, "--max-nodes", "32",
+                 "--expansion", "1,2,1") as (addr, _):
+        channel = grpc.insecure_channel(addr)
+        yield speculator_pb2_grpc.SpeculatorStub(channel)
+        channel.close()
+
+
+def call(stub, context, sampling=None, **tree):
+    req = speculator_pb2.SpeculateRequest(items=[speculator_pb2.SpeculateItem(
+        sequence_id="s", context=context, sampling=sampling or common_pb2.SamplingParams(),
+        tree=speculator_pb2.TreeConfig(**tree))])
+    return stub.Speculate(req, timeout=30)
+
+
+def test_service_trees_are_identical_on_cache_hit_and_miss(speculator):
+    first = tree_from_proto(call(speculator, [3, 4, 5, 6]).results[0].tree)
+    again = tree_from_proto(call(speculator, [3, 4, 5, 6]).results[0].tree)
+    assert first.tokens == again.tokens and first.parents == again.parents
+    assert len(first) == 1 + 2 + 2
+    stoch = call(speculator, [3, 4, 5, 6], common_pb2.SamplingParams(temperature=0.8, seed=5))
+    tree = tree_from_proto(stoch.results[0].tree)
+    assert all(d and abs(sum(d[0].q_probs) - 1) < 1e-4 for d in tree.drafts)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(context=[]), "context"),
+    (dict(context=[1, 500]), "context"),
+    (dict(context=[1], sampling=common_pb2.SamplingParams(temperature=-1)), "temperature"),
+    (dict(context=[1], sampling=common_pb2.SamplingParams(temperature=1, top_p=2)), "top_p"),
+    (dict(context=[1], max_nodes=1000), "max_nodes"),
+    (dict(context=[1], expansion=[8, 8]), "expansion"),
+])
+def test_bad_requests_are_invalid_argument_naming_the_field(speculator, kwargs, field):
+    with pytest.raises(grpc.RpcError) as err:
+        call(speculator, **kwargs)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    assert call(speculator, [1, 2]).results  # still serving
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(temperature=1, min_p=2)
