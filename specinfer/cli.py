@@ -96,6 +96,42 @@ def serve_speculator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_boost_args(p: argparse.ArgumentParser) -> None:
+    from specinfer.boost import BoostConfig
+
+    d = BoostConfig(llm=DEFAULT_LLM, out=None)
+    p.add_argument("--llm", default=DEFAULT_LLM)
+    p.add_argument("--out", required=True, help="output directory (resumable)")
+    p.add_argument("--pool-size", type=int, default=d.pool_size)
+    p.add_argument("--layers", type=int, default=d.layers, help="decoder layers per SSM")
+    p.add_argument("--vocab", type=int, default=d.vocab, help="SSM head vocabulary size")
+    p.add_argument("--prompts", type=int, default=d.prompts, help="training prompts")
+    p.add_argument("--heldout", type=int, default=d.heldout)
+    p.add_argument("--new-tokens", type=int, default=d.new_tokens)
+    p.add_argument("--gen-batch", type=int, default=d.gen_batch)
+    p.add_argument("--epochs", type=float, default=d.epochs)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--max-minutes", type=float, default=0.0,
+                   help="stop generating data after this long (training uses what exists)")
+
+
+def boost(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specinfer.boost import BoostConfig, boost_tune
+
+    cfg = BoostConfig(llm=args.llm, out=Path(args.out), pool_size=args.pool_size,
+                      layers=args.layers, vocab=args.vocab, prompts=args.prompts,
+                      heldout=args.heldout, new_tokens=args.new_tokens,
+                      gen_batch=args.gen_batch, epochs=args.epochs, lr=args.lr,
+                      max_minutes=args.max_minutes)
+    report = boost_tune(cfg)
+    import json
+
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specinfer", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -106,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_verifier_args(roles.add_parser("verifier", help="the LLM and its KV cache"))
     _add_speculator_args(roles.add_parser("speculator", help="SSMs and drafters: token trees"))
 
+    _add_boost_args(sub.add_parser("boost-tune", help="train a boost-tuned SSM pool"))
+
     args = parser.parse_args(argv)
     from specinfer.logs import setup_logging
 
@@ -115,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             return serve_verifier(args)
         if args.command == "serve" and args.role == "speculator":
             return serve_speculator(args)
+        if args.command == "boost-tune":
+            return boost(args)
     except ModelError as exc:
         print(f"specinfer: {exc}", file=sys.stderr)
         return 2
