@@ -56,8 +56,8 @@ class SpeculatorEngine:
                 raise InvalidArgument(f"items[{i}].context", "must hold at least the root token")
             bad = next((t for t in s.context if not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                raise InvalidArgument(f"items[{i}].context",
-                                      f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
+                raise InvalidArgument(f"items[{i}].context", f"token id {bad} outside the "
+                                      f"vocabulary [0, {self.vocab_size})")
             if s.max_nodes > self.max_nodes:
                 raise InvalidArgument(f"items[{i}].tree.max_nodes",
                                       f"{s.max_nodes} exceeds the server's budget {self.max_nodes}")
