@@ -96,6 +96,96 @@ def serve_speculator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llm", default=DEFAULT_LLM, help="for the tokenizer and chat template")
+    p.add_argument("--model-name", default="", help="name in the API (default: --llm)")
+    p.add_argument("--verifier", action="append", required=True, help="verifier address")
+    p.add_argument("--speculator", action="append", default=[], help="speculator address")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI API port (0 = off)")
+    p.add_argument("--max-waiting", type=int, default=64, help="queued requests at most")
+    p.add_argument("--spec-max-batch", type=int, default=4,
+                   help="above this many live sequences, decode without speculation")
+
+
+def serve_router(args: argparse.Namespace) -> int:
+    from services.router.server import serve
+
+    asyncio.run(serve(args, args.host, args.port, args.http_port))
+    return 0
+
+
+def _add_up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llm", default=DEFAULT_LLM)
+    p.add_argument("--ssm", action="append", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--verifiers", type=int, default=1)
+    p.add_argument("--speculators", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--max-context", type=int, default=2048)
+
+
+def up(args: argparse.Namespace) -> int:
+    from specinfer.stack import run_stack
+
+    return run_stack(args)
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt")
+    p.add_argument("--addr", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="apply the chat template")
+    p.add_argument("--no-speculation", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--timeout", type=float, default=600.0)
+
+
+def generate(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from specinfer.client import Client, SpecInferError
+
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, speculation=not args.no_speculation)
+    if args.chat:
+        kwargs["messages"] = [{"role": "user", "content": args.prompt}]
+        prompt = None
+    else:
+        prompt = args.prompt
+    start = time.perf_counter()
+    try:
+        with Client(args.addr, timeout=args.timeout) as client:
+            if args.json:
+                out = client.generate(prompt, **kwargs)
+                elapsed = time.perf_counter() - start
+                print(json.dumps({"text": out.text, "token_ids": out.token_ids,
+                                  "finish_reason": out.finish_reason, "steps": out.steps,
+                                  "accepted_per_step": out.accepted_per_step,
+                                  "prompt_tokens": out.prompt_tokens,
+                                  "elapsed_s": round(elapsed, 4),
+                                  "tokens_per_s": round(len(out.token_ids) / elapsed, 2),
+                                  "dtype": "float32"}))
+            else:
+                for chunk in client.stream(prompt, **kwargs):
+                    print(chunk.text, end="", flush=True)
+                print()
+    except SpecInferError as exc:
+        print(f"specinfer: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _add_boost_args(p: argparse.ArgumentParser) -> None:
     from specinfer.boost import BoostConfig
 
@@ -142,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_verifier_args(roles.add_parser("verifier", help="the LLM and its KV cache"))
     _add_speculator_args(roles.add_parser("speculator", help="SSMs and drafters: token trees"))
 
+    _add_router_args(roles.add_parser("router", help="the public API and the scheduler"))
     _add_boost_args(sub.add_parser("boost-tune", help="train a boost-tuned SSM pool"))
+    _add_up_args(sub.add_parser("up", help="the whole stack on this machine"))
+    _add_generate_args(sub.add_parser("generate", help="generate through a running stack"))
 
     args = parser.parse_args(argv)
     from specinfer.logs import setup_logging
@@ -153,8 +246,14 @@ def main(argv: list[str] | None = None) -> int:
             return serve_verifier(args)
         if args.command == "serve" and args.role == "speculator":
             return serve_speculator(args)
+        if args.command == "serve" and args.role == "router":
+            return serve_router(args)
         if args.command == "boost-tune":
             return boost(args)
+        if args.command == "up":
+            return up(args)
+        if args.command == "generate":
+            return generate(args)
     except ModelError as exc:
         print(f"specinfer: {exc}", file=sys.stderr)
         return 2

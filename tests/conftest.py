@@ -33,3 +33,30 @@ def save_tiny_llama(path, seed: int = 0, layers: int = 4, vocab: int = 128) -> s
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def save_tiny_chat_llm(path, seed: int = 0, layers: int = 2) -> str:
+    """A tiny random Llama over SmolLM2's real tokenizer and chat template (vocab 49152,
+    hidden 64), for tests that need text in and text out."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specinfer.models import DEFAULT_LLM, load_tokenizer
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, eos_token_id=2, bos_token_id=1,
+                      pad_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.save_pretrained(path)
+    load_tokenizer(DEFAULT_LLM).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_llm(tmp_path_factory) -> str:
+    return save_tiny_chat_llm(tmp_path_factory.mktemp("tiny-chat-llm"))

@@ -6,32 +6,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from specinfer.boost import BoostConfig, boost_tune, select_prompts
 from specinfer.data import mtbench_questions
-from specinfer.models import DEFAULT_LLM, load_ssm, load_tokenizer
+from specinfer.models import load_ssm
 from specinfer.ssm import DraftRequest, SSMDrafter
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_llm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-chat-llm")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, eos_token_id=2, bos_token_id=1,
-                      pad_token_id=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    model.save_pretrained(path)
-    load_tokenizer(DEFAULT_LLM).save_pretrained(path)
-    return str(path)
 
 
 def test_prompts_exclude_mtbench(tmp_path):

@@ -1,0 +1,175 @@
+"""Speculation quality and cost on MT-Bench first turns, engine-only (no RPC).
+
+Mean accepted tokens per LLM step (bonus token included) for: each SSM alone, the merged
+pool, n-gram alone, pool + n-gram; greedy and stochastic (T=0.7); and tree shapes (a
+sequence vs trees of width 2-5). Also the SSM draft-step cost relative to an LLM step.
+Prints a table, writes JSON and a PNG plot.
+
+    python bench/speculator.py [--pool DIR ...] [--prompts 8] [--new-tokens 64] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from services.speculator.engine import SpeculateSpec, SpeculatorEngine
+from services.verifier.engine import EngineConfig
+from services.verifier.local import generate_local
+from services.verifier.parallel import build_engine
+from specinfer.data import mtbench_first_turns
+from specinfer.models import DEFAULT_LLM, default_pool, load_ssm, load_tokenizer
+from specinfer.sampling import SamplingParams
+from specinfer.ssm import DraftRequest, SSMDrafter
+
+SHAPES = {
+    "chain-6": [1, 1, 1, 1, 1, 1],
+    "w2": [2, 1, 1, 1, 1, 1],
+    "w3": [3, 1, 1, 1, 1],
+    "paper-1,1,3,1,1,1,1,1": [1, 1, 3, 1, 1, 1, 1, 1],
+    "w4": [4, 2, 1, 1, 1],
+    "w5": [5, 1, 1, 1, 1],
+}
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def run(engine, spec_engine, prompts, new_tokens, params, expansion, dynamic=False):
+    counter = iter(range(10**9))
+
+    def trees(histories):
+        specs = [SpeculateSpec(f"b{next(counter)}-{i}", h, params, expansion, 0, dynamic)
+                 for i, h in enumerate(histories)]
+        return spec_engine.speculate(specs)
+
+    accepted, steps, tokens, elapsed = 0, 0, 0, 0.0
+    for p in prompts:
+        res = generate_local(engine, [p], new_tokens, trees=trees, params=params)[0]
+        accepted += sum(res.accepted_per_step)
+        steps += res.steps
+        tokens += len(res.token_ids)
+        elapsed += res.elapsed_s
+    return {"accepted_per_step": accepted / max(1, steps), "tokens_per_s": tokens / elapsed,
+            "steps": steps}
+
+
+def draft_cost(drafter: SSMDrafter, engine, context: list[int], reps: int = 10) -> dict:
+    """One SSM level (a single-node forward) vs one LLM incremental step, same context."""
+    drafter.propose([DraftRequest("cost", context, [1])])  # warm the cache
+    xs = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        drafter.propose([DraftRequest("cost", context, [1, 1])])  # re-feeds root + 1 level
+        xs.append(time.perf_counter() - t)
+    ssm_ms = statistics.median(xs) * 1e3 / 2
+    from services.verifier.engine import PrefillSpec
+    engine.prefill([PrefillSpec("cost", context)])
+    root = engine.sequences["cost"].root
+    ys = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        root = engine.decode([("cost", root)])[0].tokens[0]
+        ys.append(time.perf_counter() - t)
+    engine.release(["cost"])
+    llm_ms = statistics.median(ys) * 1e3
+    return {"ssm_level_ms": ssm_ms, "llm_step_ms": llm_ms, "ratio": ssm_ms / llm_ms}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--llm", default=DEFAULT_LLM)
+    ap.add_argument("--pool", nargs="*", default=None, help="SSM refs (default: bundled pool)")
+    ap.add_argument("--prompts", type=int, default=8, help="MT-Bench first turns (<= 80)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens, fewer configs")
+    ap.add_argument("--out", default="bench/results/speculator")
+    args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.new_tokens = 4, 32
+    refs = args.pool if args.pool is not None else default_pool(args.llm)
+    tokenizer = load_tokenizer(args.llm)
+    turns = mtbench_first_turns()
+    step = max(1, len(turns) // args.prompts)
+    prompts = [chat_ids(tokenizer, p) for _, p in turns[::step][: args.prompts]]
+    engine = build_engine(args.llm, EngineConfig(max_context=2048, slots=4))
+    vocab = engine.vocab_size
+    drafters = []
+    for i, ref in enumerate(refs):
+        model, vocab_ids = load_ssm(ref)
+        drafters.append(SSMDrafter(model, i, slots=4, vocab_ids=vocab_ids,
+                                   llm_vocab_size=vocab))
+    greedy, stoch = SamplingParams(), SamplingParams(temperature=0.7, seed=0)
+    default = SHAPES["paper-1,1,3,1,1,1,1,1"]
+    configs = []
+    for i, d in enumerate(drafters):
+        configs.append((f"ssm-{i + 1}", [d], False, greedy, default))
+    if len(drafters) > 1:
+        configs.append(("pool", drafters, False, greedy, default))
+    configs.append(("ngram", [], True, greedy, default))
+    configs.append(("pool+ngram", drafters, True, greedy, default))
+    configs.append(("pool+ngram T=0.7", drafters, True, stoch, default))
+    if drafters and not args.quick:
+        for name, shape in SHAPES.items():
+            if shape != default:
+                configs.append((f"pool+ngram {name}", drafters, True, greedy, shape))
+        configs.append(("pool+ngram dynamic-32", drafters, True, greedy, default))
+
+    results = {"llm": args.llm, "pool": refs, "prompts": len(prompts),
+               "new_tokens": args.new_tokens, "configs": []}
+    if drafters:
+        results["draft_cost"] = [draft_cost(d, engine, prompts[0]) for d in drafters]
+        for i, c in enumerate(results["draft_cost"]):
+            print(f"ssm-{i + 1}: one draft level {c['ssm_level_ms']:.1f} ms vs LLM step "
+                  f"{c['llm_step_ms']:.1f} ms = {c['ratio']:.3f}")
+    plain = run(engine, SpeculatorEngine([], vocab, ngram=False), prompts, args.new_tokens,
+                greedy, [0])
+    plain_tps = plain["tokens_per_s"]
+    print(f"\n{'config':<32} {'acc/step':>9} {'tok/s':>7} {'vs plain':>9}")
+    print(f"{'no speculation':<32} {1.0:>9.2f} {plain_tps:>7.1f} {1.0:>9.2f}")
+    for name, pool, ngram, params, shape in configs:
+        spec = SpeculatorEngine(pool, vocab, ngram=ngram, expansion=shape, max_nodes=64)
+        for d in pool:
+            d.entries.clear()
+        r = run(engine, spec, prompts, args.new_tokens, params, shape,
+                dynamic=name.endswith("dynamic-32"))
+        r.update(config=name, expansion=shape)
+        results["configs"].append(r)
+        print(f"{name:<32} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
+              f"{r['tokens_per_s'] / plain_tps:>9.2f}")
+    results["plain_tokens_per_s"] = plain_tps
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speculator.json").write_text(json.dumps(results, indent=2))
+    plot(results, out / "speculator.png")
+    print(f"wrote {out}/speculator.json and speculator.png")
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [c["config"] for c in results["configs"]]
+    acc = [c["accepted_per_step"] for c in results["configs"]]
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(names) + 1.5))
+    ax.barh(names[::-1], acc[::-1], color="#4c72b0")
+    ax.axvline(1.0, color="grey", linestyle="--", label="plain decoding")
+    ax.set_xlabel("mean accepted tokens per LLM step (bonus included)")
+    ax.set_title(f"MT-Bench first turns ({results['prompts']} prompts, "
+                 f"{results['new_tokens']} new tokens)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

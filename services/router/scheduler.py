@@ -1,0 +1,373 @@
+"""The router's iteration-level scheduler.
+
+One loop drives every decoding step of every live sequence: new requests are prefilled and
+join the running batch at the next step; each step asks the speculator for trees for the
+whole speculating batch, then every verifier replica verifies (or decodes) its sequences,
+replicas in parallel. The router keeps each sequence's full token history, so a speculator
+that fails costs one step without speculation, and a verifier that fails has its sequences
+re-prefilled on another replica from that history (greedy output is unchanged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from specinfer.errors import InvalidArgument, ResourceExhausted
+from specinfer.grpc_server import CHANNEL_OPTIONS
+from specinfer.sampling import SamplingParams
+from specinfer.v1 import (
+    common_pb2,
+    speculator_pb2,
+    speculator_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+_ids = itertools.count()
+
+
+@dataclass
+class GenRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    speculation: bool = True
+    stop: list[str] = field(default_factory=list)
+    stop_ids: set[int] = field(default_factory=set)
+    session_id: str = ""
+    id: str = field(default_factory=lambda: f"r{next(_ids)}-{time.monotonic_ns() % 10**9}")
+    # Filled in by the scheduler.
+    generated: list[int] = field(default_factory=list)
+    accepted_per_step: list[int] = field(default_factory=list)
+    drafted: int = 0
+    reused_tokens: int = 0
+    finish_reason: str = ""
+    error: Exception | None = None
+    cancelled: bool = False
+    replica: Replica | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: float = 0.0
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+
+@dataclass
+class Replica:
+    address: str
+    stub: verifier_pb2_grpc.VerifierStub
+    channel: grpc.aio.Channel
+    healthy: bool = True
+    capacity: int = 1
+    live: int = 0
+    max_tree_nodes: int = 64
+    max_context: int = 2048
+
+
+class Scheduler:
+    def __init__(self, verifiers: list[str], speculators: list[str], *, eos_ids: list[int],
+                 max_waiting: int = 64, spec_max_batch: int = 4,
+                 expansion: list[int] | None = None, max_nodes: int = 0,
+                 step_timeout_s: float = 60.0, speculate_timeout_s: float = 10.0,
+                 detokenize=None) -> None:
+        self.replicas = [self._replica(a) for a in verifiers]
+        self.spec_channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
+                              for a in speculators]
+        self.spec_stubs = [speculator_pb2_grpc.SpeculatorStub(c) for c in self.spec_channels]
+        self.spec_down_until = [0.0] * len(speculators)
+        self.eos_ids = set(eos_ids)
+        self.max_waiting = max_waiting
+        self.spec_max_batch = spec_max_batch
+        self.expansion = expansion or []
+        self.max_nodes = max_nodes
+        self.step_timeout_s = step_timeout_s
+        self.speculate_timeout_s = speculate_timeout_s
+        self.detokenize = detokenize
+        self.waiting: list[GenRequest] = []
+        self.running: list[GenRequest] = []
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    @staticmethod
+    def _replica(address: str) -> Replica:
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return Replica(address, verifier_pb2_grpc.VerifierStub(channel), channel)
+
+    async def start(self) -> dict:
+        """Query every verifier's Info (they must be up); start the loop."""
+        info = None
+        for r in self.replicas:
+            i = await r.stub.Info(verifier_pb2.InfoRequest(), timeout=30)
+            r.capacity = max(1, i.kv_capacity_tokens // max(1, i.max_context))
+            r.max_tree_nodes, r.max_context = i.max_tree_nodes, i.max_context
+            info = info or i
+        self.task = asyncio.create_task(self._loop())
+        return {"vocab_size": info.vocab_size, "max_context": info.max_context,
+                "model": info.model, "dtype": info.dtype}
+
+    async def close(self) -> None:
+        if self.task:
+            self.task.cancel()
+        for c in [r.channel for r in self.replicas] + self.spec_channels:
+            await c.close()
+
+    # --- admission --------------------------------------------------------------------
+
+    def submit(self, req: GenRequest) -> None:
+        max_context = min(r.max_context for r in self.replicas)
+        if len(req.prompt_ids) + 1 > max_context:
+            raise InvalidArgument("prompt", f"{len(req.prompt_ids)} tokens exceed the context "
+                                  f"limit of {max_context - 1}")
+        req.max_tokens = min(req.max_tokens, max_context - len(req.prompt_ids))
+        if len(self.waiting) >= self.max_waiting:
+            raise ResourceExhausted(f"{len(self.waiting)} requests already queued; retry later")
+        self.waiting.append(req)
+        self.wake.set()
+
+    def cancel(self, req: GenRequest) -> None:
+        req.cancelled = True
+        self.wake.set()
+
+    def _pick_replica(self, req: GenRequest) -> Replica | None:
+        """Consistent hashing on the session (or request) id, falling back to the least
+        loaded healthy replica with room."""
+        healthy = [r for r in self.replicas if r.healthy]
+        if not healthy:
+            return None
+        key = req.session_id or req.id
+        ranked = sorted(healthy, key=lambda r: hashlib.sha256(
+            f"{key}|{r.address}".encode()).digest())
+        for r in ranked[:1] + sorted(ranked[1:], key=lambda r: r.live / r.capacity):
+            if r.live < r.capacity:
+                return r
+        return None
+
+    # --- the loop ---------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.waiting and not self.running:
+                self.wake.clear()
+                await self.wake.wait()
+            try:
+                await self._drop_cancelled()
+                await self._admit()
+                if self.running:
+                    await self._step()
+                elif self.waiting:
+                    await asyncio.sleep(0.05)  # no room anywhere: wait for capacity
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one bad step stop the router
+                log.exception("scheduler step failed")
+                await asyncio.sleep(0.1)
+
+    async def _drop_cancelled(self) -> None:
+        for req in [r for r in self.running if r.cancelled]:
+            await self._finish(req, "cancelled")
+        self.waiting = [r for r in self.waiting if not r.cancelled]
+
+    async def _admit(self) -> None:
+        by_replica: dict[str, list[GenRequest]] = {}
+        still = []
+        for req in self.waiting:
+            replica = self._pick_replica(req)
+            if replica is None:
+                still.append(req)
+                continue
+            replica.live += 1
+            req.replica = replica
+            by_replica.setdefault(replica.address, []).append(req)
+        self.waiting = still
+        await asyncio.gather(*(self._prefill(reqs) for reqs in by_replica.values()))
+
+    async def _prefill(self, reqs: list[GenRequest]) -> None:
+        replica = reqs[0].replica
+        items = [verifier_pb2.PrefillItem(sequence_id=r.id, token_ids=r.history,
+                                          sampling=_sampling_proto(r.params),
+                                          session_id=r.session_id) for r in reqs]
+        try:
+            out = await replica.stub.Prefill(verifier_pb2.PrefillRequest(items=items),
+                                             timeout=self.step_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            for r in reqs:
+                replica.live -= 1
+                r.replica = None
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.waiting.extend(reqs)  # retry when capacity frees up
+                return
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+                self._mark_down(replica, exc)
+                self.waiting.extend(reqs)
+                return
+            for r in reqs:
+                self._fail(r, exc)
+            return
+        for r, res in zip(reqs, out.results, strict=True):
+            r.reused_tokens = res.reused_tokens
+            if not r.first_token_at:
+                r.first_token_at = time.monotonic()
+            self.running.append(r)
+            await self._emit(r, [res.token], step=False)
+
+    def _mark_down(self, replica: Replica, exc: Exception) -> None:
+        if replica.healthy:
+            log.warning("verifier replica failed; failing over",
+                        extra={"replica": replica.address, "error": str(exc)[:200]})
+        replica.healthy = False
+        asyncio.get_running_loop().call_later(5.0, self._probe, replica)
+
+    def _probe(self, replica: Replica) -> None:
+        async def check() -> None:
+            try:
+                await replica.stub.Info(verifier_pb2.InfoRequest(), timeout=2)
+                replica.healthy, replica.live = True, 0
+                log.info("verifier replica back", extra={"replica": replica.address})
+            except grpc.aio.AioRpcError:
+                asyncio.get_running_loop().call_later(5.0, self._probe, replica)
+
+        asyncio.ensure_future(check())
+
+    async def _speculate(self, reqs: list[GenRequest]) -> dict[str, object]:
+        """Trees for the speculating requests, or {} if no speculator answers."""
+        now = time.monotonic()
+        for i, stub in enumerate(self.spec_stubs):
+            if self.spec_down_until[i] > now:
+                continue
+            items = [speculator_pb2.SpeculateItem(
+                sequence_id=r.id, context=r.history, sampling=_sampling_proto(r.params),
+                tree=speculator_pb2.TreeConfig(
+                    expansion=self.expansion,
+                    max_nodes=min(self.max_nodes or r.replica.max_tree_nodes,
+                                  r.replica.max_tree_nodes,
+                                  r.replica.max_context - len(r.history) - 1)))
+                for r in reqs]
+            try:
+                out = await stub.Speculate(speculator_pb2.SpeculateRequest(items=items),
+                                           timeout=self.speculate_timeout_s)
+                return {res.sequence_id: res.tree for res in out.results}
+            except grpc.aio.AioRpcError as exc:
+                log.warning("speculator failed; this step decodes without it",
+                            extra={"speculator": i, "error": exc.code().name})
+                self.spec_down_until[i] = now + 5.0
+        return {}
+
+    async def _step(self) -> None:
+        batch = list(self.running)
+        speculate = [r for r in batch if r.speculation
+                     and r.replica.max_context - len(r.history) > 2]
+        if len(batch) > self.spec_max_batch:  # a large batch amortises the LLM: no trees
+            speculate = []
+        trees = await self._speculate(speculate) if speculate and self.spec_stubs else {}
+        by_replica: dict[str, list[GenRequest]] = {}
+        for r in batch:
+            by_replica.setdefault(r.replica.address, []).append(r)
+        await asyncio.gather(*(self._verify(reqs, trees) for reqs in by_replica.values()))
+
+    async def _verify(self, reqs: list[GenRequest], trees: dict) -> None:
+        replica = reqs[0].replica
+        with_tree = [r for r in reqs if r.id in trees]
+        plain = [r for r in reqs if r.id not in trees]
+        calls = []
+        if with_tree:
+            calls.append(replica.stub.Verify(verifier_pb2.VerifyRequest(items=[
+                verifier_pb2.VerifyItem(sequence_id=r.id, root_token=r.generated[-1],
+                                        tree=trees[r.id]) for r in with_tree]),
+                timeout=self.step_timeout_s))
+        if plain:
+            calls.append(replica.stub.Decode(verifier_pb2.DecodeRequest(items=[
+                verifier_pb2.DecodeItem(sequence_id=r.id, root_token=r.generated[-1])
+                for r in plain]), timeout=self.step_timeout_s))
+        try:
+            results = await asyncio.gather(*calls)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                for r in reqs:  # e.g. a tree the verifier rejects: fail loudly, not silently
+                    self._fail(r, exc)
+                return
+            self._mark_down(replica, exc)
+            for r in reqs:  # re-prefill elsewhere from the router's history
+                self.running.remove(r)
+                replica.live -= 1
+                r.replica = None
+                self.waiting.insert(0, r)
+            return
+        outs = []
+        if with_tree:
+            outs += [(r, list(res.tokens)) for r, res in zip(with_tree, results[0].results,
+                                                             strict=True)]
+            for r in with_tree:
+                r.drafted += len(trees[r.id].tokens)
+        if plain:
+            outs += [(r, [res.token]) for r, res in zip(plain, results[-1].results,
+                                                        strict=True)]
+        for r, tokens in outs:
+            await self._emit(r, tokens, step=True)
+
+    async def _emit(self, req: GenRequest, tokens: list[int], step: bool) -> None:
+        """Append a step's tokens (cut at max_tokens or a stop); ``step``: an LLM step
+        (Verify/Decode), not the prefill's first token."""
+        new = []
+        for tok in tokens:
+            if len(req.generated) >= req.max_tokens:
+                break
+            req.generated.append(tok)
+            new.append(tok)
+            if tok in self.eos_ids or tok in req.stop_ids:
+                req.finish_reason = "stop"
+                break
+        if not req.finish_reason and req.stop and self.detokenize:
+            text = self.detokenize(req.generated)
+            if any(s in text for s in req.stop):
+                req.finish_reason = "stop"
+        if not req.finish_reason and len(req.generated) >= req.max_tokens:
+            req.finish_reason = "length"
+        if step:
+            req.accepted_per_step.append(len(new))
+        await req.events.put(("tokens", new))
+        if req.finish_reason:
+            await self._finish(req, req.finish_reason)
+
+    async def _finish(self, req: GenRequest, reason: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        replica = req.replica
+        if replica is not None:
+            replica.live -= 1
+            req.replica = None
+            try:
+                await replica.stub.Release(verifier_pb2.ReleaseRequest(
+                    sequence_ids=[req.id], keep_for_session=bool(req.session_id)), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                log.info("release failed", extra={"error": exc.code().name})
+        req.finish_reason = reason
+        await req.events.put(("done", reason))
+
+    def _fail(self, req: GenRequest, exc: Exception) -> None:
+        req.error = exc
+        if req in self.running:
+            self.running.remove(req)
+        if req.replica is not None:
+            req.replica.live -= 1
+            req.replica = None
+        req.events.put_nowait(("error", exc))
+
+
+def _sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, min_p=p.min_p)
+    if p.top_p != 1.0:
+        msg.top_p = p.top_p
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg

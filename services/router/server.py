@@ -1,0 +1,226 @@
+"""The router's public API: gRPC ``specinfer.v1.Router`` and an OpenAI-compatible HTTP API,
+both over one scheduler (``specinfer serve router``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from services.router.scheduler import GenRequest, Scheduler
+from specinfer.errors import InvalidArgument, ServiceError
+from specinfer.grpc_server import Service, abort_on_error
+from specinfer.sampling import SamplingParams
+from specinfer.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+@dataclass
+class Frontend:
+    """Tokenizer, chat template and model name: what turns API input into a GenRequest."""
+
+    tokenizer: object
+    model_name: str
+    vocab_size: int
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        for i, m in enumerate(messages):
+            if m.get("role") not in ("system", "user", "assistant"):
+                raise InvalidArgument(f"messages[{i}].role", "must be system, user or assistant")
+            if not isinstance(m.get("content"), str):
+                raise InvalidArgument(f"messages[{i}].content", "must be a string")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def check_ids(self, field: str, ids: list[int]) -> None:
+        for j, t in enumerate(ids):
+            if not 0 <= t < self.vocab_size:
+                raise InvalidArgument(f"{field}[{j}]", f"token id {t} outside the vocabulary")
+
+
+def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequest:
+    kind = msg.WhichOneof("input")
+    if kind == "prompt":
+        if not msg.prompt:
+            raise InvalidArgument("prompt", "must not be empty")
+        ids = fe.encode_prompt(msg.prompt)
+    elif kind == "prompt_token_ids":
+        ids = list(msg.prompt_token_ids.ids)
+        fe.check_ids("prompt_token_ids", ids)
+    elif kind == "chat":
+        ids = fe.encode_chat([{"role": m.role, "content": m.content}
+                              for m in msg.chat.messages])
+    else:
+        raise InvalidArgument("input", "give prompt, prompt_token_ids or chat")
+    if not ids:
+        raise InvalidArgument("prompt", "tokenizes to nothing")
+    if msg.model and msg.model != fe.model_name:
+        raise InvalidArgument("model", f"unknown model {msg.model!r}; serving {fe.model_name!r}")
+    if not 0 < msg.max_tokens <= MAX_TOKENS_LIMIT:
+        raise InvalidArgument("max_tokens", f"must be in 1..{MAX_TOKENS_LIMIT}")
+    try:
+        params = SamplingParams.from_proto(msg.sampling)
+    except ValueError as exc:
+        raise InvalidArgument("sampling", str(exc)) from exc
+    fe.check_ids("stop_token_ids", list(msg.stop_token_ids))
+    return GenRequest(ids, msg.max_tokens, params,
+                      speculation=msg.speculation if msg.HasField("speculation") else True,
+                      stop=[s for s in msg.stop if s], stop_ids=set(msg.stop_token_ids),
+                      session_id=msg.session_id)
+
+
+class Generation:
+    """Follows one request's events; yields (new ids, text delta) and ends with its finish."""
+
+    def __init__(self, req: GenRequest, fe: Frontend) -> None:
+        self.req, self.fe = req, fe
+        self.sent_text = ""
+
+    def _text(self, final: bool) -> str:
+        text = self.fe.decode(self.req.generated)
+        for stop in self.req.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                text = text[:cut]
+        if not final:
+            text = text.rstrip("\ufffd")  # hold back an incomplete UTF-8 sequence
+        return text
+
+    async def deltas(self):
+        while True:
+            kind, payload = await self.req.events.get()
+            if kind == "error":
+                raise payload
+            final = kind == "done"
+            text = self._text(final)
+            delta = text[len(self.sent_text):] if text.startswith(self.sent_text) else ""
+            self.sent_text = text if delta or final else self.sent_text
+            yield (payload if kind == "tokens" else []), delta
+            if final:
+                return
+
+    def usage(self) -> common_pb2.Usage:
+        return common_pb2.Usage(prompt_tokens=len(self.req.prompt_ids),
+                                completion_tokens=len(self.req.generated),
+                                cached_prompt_tokens=self.req.reused_tokens)
+
+    def stats(self) -> common_pb2.SpeculationStats:
+        return common_pb2.SpeculationStats(steps=len(self.req.accepted_per_step),
+                                           accepted_per_step=self.req.accepted_per_step,
+                                           drafted_tokens=self.req.drafted)
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self) -> None:
+        self.scheduler: Scheduler | None = None
+        self.fe: Frontend | None = None
+
+    def _start(self, request) -> Generation:
+        if self.scheduler is None:
+            raise Unavailable("the router is still starting")
+        req = request_from_proto(request, self.fe)
+        self.scheduler.submit(req)
+        return Generation(req, self.fe)
+
+    async def Generate(self, request, context):
+        gen = None
+        try:
+            gen = self._start(request)
+            ids = []
+            async for new, _ in gen.deltas():
+                ids += new
+        except asyncio.CancelledError:
+            if gen:
+                self.scheduler.cancel(gen.req)
+            raise
+        except (ServiceError, ValueError, grpc.aio.AioRpcError) as exc:
+            if gen:
+                self.scheduler.cancel(gen.req)
+            await _abort(context, exc)
+        return router_pb2.GenerateResponse(text=gen.sent_text, token_ids=gen.req.generated,
+                                           finish_reason=gen.req.finish_reason,
+                                           usage=gen.usage(), stats=gen.stats())
+
+    async def GenerateStream(self, request, context):
+        gen = None
+        try:
+            gen = self._start(request)
+            async for new, delta in gen.deltas():
+                if new or delta:
+                    yield router_pb2.GenerateStreamResponse(text=delta, token_ids=new)
+            yield router_pb2.GenerateStreamResponse(finish_reason=gen.req.finish_reason,
+                                                    usage=gen.usage(), stats=gen.stats())
+        except asyncio.CancelledError:  # the client went away: free the sequence
+            if gen:
+                self.scheduler.cancel(gen.req)
+            raise
+        except (ServiceError, ValueError, grpc.aio.AioRpcError) as exc:
+            if gen:
+                self.scheduler.cancel(gen.req)
+            await _abort(context, exc)
+
+
+class Unavailable(ServiceError):
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+
+
+async def _abort(context, exc: Exception) -> None:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        await context.abort(exc.code(), exc.details() or "")
+    await abort_on_error(context, exc)
+
+
+async def serve(args, host: str, port: int, http_port: int, grace_s: float = 10.0) -> None:
+    from specinfer.models import load_tokenizer
+
+    service = Service("router", host, port)
+    servicer = RouterServicer()
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, service.server)
+    service.add(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)
+    await service.start()
+    loop = asyncio.get_running_loop()
+    tokenizer = await loop.run_in_executor(None, load_tokenizer, args.llm)
+    scheduler = Scheduler(args.verifier, args.speculator or [],
+                          eos_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
+                          else [],
+                          max_waiting=args.max_waiting, spec_max_batch=args.spec_max_batch,
+                          detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    info = await _retry(scheduler.start)
+    frontend = Frontend(tokenizer, args.model_name or args.llm, info["vocab_size"])
+    servicer.scheduler, servicer.fe = scheduler, frontend
+    http = None
+    if http_port:
+        from services.router.openai_http import start_http
+
+        http = await start_http(scheduler, frontend, host, http_port)
+    await service.set_serving()
+
+    async def stop() -> None:
+        if http is not None:
+            await http.cleanup()
+        await scheduler.close()
+
+    await service.run_until_signal(grace_s, on_stop=stop)
+
+
+async def _retry(fn, attempts: int = 600, delay: float = 1.0):
+    """The verifiers may still be loading: keep asking until they answer."""
+    for i in range(attempts):
+        try:
+            return await fn()
+        except grpc.aio.AioRpcError:
+            if i == attempts - 1:
+                raise
+            await asyncio.sleep(delay)

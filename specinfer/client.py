@@ -1,0 +1,186 @@
+"""Client SDK for the router's gRPC API: ``Client`` (blocking) and ``AsyncClient``.
+
+    from specinfer.client import Client
+    with Client("127.0.0.1:50051") as c:
+        out = c.generate("Hello", max_tokens=32)
+        for chunk in c.stream(messages=[{"role": "user", "content": "Hi"}]):
+            print(chunk.text, end="")
+
+Retries happen only on ``UNAVAILABLE`` (nothing was processed); other failures raise the
+typed exception of their status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from specinfer.grpc_server import CHANNEL_OPTIONS
+from specinfer.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+class SpecInferError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.message = code, message
+
+
+class InvalidRequestError(SpecInferError):
+    pass
+
+
+class OverloadedError(SpecInferError):
+    pass
+
+
+class UnavailableError(SpecInferError):
+    pass
+
+
+class DeadlineExceededError(SpecInferError):
+    pass
+
+
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidRequestError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+
+
+def _typed(exc: grpc.RpcError) -> SpecInferError:
+    return _BY_CODE.get(exc.code(), SpecInferError)(exc.code(), exc.details() or "")
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    steps: int
+    accepted_per_step: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Chunk:
+    text: str
+    token_ids: list[int]
+    finish_reason: str = ""
+
+
+def build_request(prompt: str | None = None, *, messages: list[dict] | None = None,
+                  token_ids: list[int] | None = None, max_tokens: int = 128,
+                  temperature: float = 0.0, top_p: float | None = None, top_k: int = 0,
+                  min_p: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
+                  stop_token_ids: list[int] | None = None, speculation: bool = True,
+                  session_id: str = "", model: str = "") -> router_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p)
+    if top_p is not None:
+        sampling.top_p = top_p
+    if seed is not None:
+        sampling.seed = seed
+    req = router_pb2.GenerateRequest(max_tokens=max_tokens, stop=stop or [],
+                                     stop_token_ids=stop_token_ids or [], sampling=sampling,
+                                     speculation=speculation, session_id=session_id,
+                                     model=model)
+    if messages is not None:
+        req.chat.messages.extend(router_pb2.ChatMessage(**m) for m in messages)
+    elif token_ids is not None:
+        req.prompt_token_ids.ids.extend(token_ids)
+    else:
+        req.prompt = prompt or ""
+    return req
+
+
+def _completion(resp: router_pb2.GenerateResponse) -> Completion:
+    return Completion(resp.text, list(resp.token_ids), resp.finish_reason,
+                      resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.stats.steps,
+                      list(resp.stats.accepted_per_step))
+
+
+class Client:
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = 300.0,
+                 retries: int = 3, metadata: list[tuple[str, str]] | None = None) -> None:
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.timeout, self.retries, self.metadata = timeout, retries, metadata
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                 metadata=None, **kwargs) -> Completion:
+        req = build_request(prompt, **kwargs)
+        for attempt in range(self.retries + 1):
+            try:
+                return _completion(self.stub.Generate(req, timeout=timeout or self.timeout,
+                                                      metadata=metadata or self.metadata))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
+                    raise _typed(exc) from None
+                time.sleep(0.5 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None,
+               metadata=None, **kwargs) -> Iterator[Chunk]:
+        req = build_request(prompt, **kwargs)
+        try:
+            for msg in self.stub.GenerateStream(req, timeout=timeout or self.timeout,
+                                                metadata=metadata or self.metadata):
+                yield Chunk(msg.text, list(msg.token_ids), msg.finish_reason)
+        except grpc.RpcError as exc:
+            raise _typed(exc) from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = 300.0,
+                 retries: int = 3, metadata: list[tuple[str, str]] | None = None) -> None:
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.timeout, self.retries, self.metadata = timeout, retries, metadata
+
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                       metadata=None, **kwargs) -> Completion:
+        req = build_request(prompt, **kwargs)
+        for attempt in range(self.retries + 1):
+            try:
+                return _completion(await self.stub.Generate(
+                    req, timeout=timeout or self.timeout, metadata=metadata or self.metadata))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
+                    raise _typed(exc) from None
+                await asyncio.sleep(0.5 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def stream(self, prompt: str | None = None, *, timeout: float | None = None,
+                     metadata=None, **kwargs) -> AsyncIterator[Chunk]:
+        req = build_request(prompt, **kwargs)
+        try:
+            async for msg in self.stub.GenerateStream(req, timeout=timeout or self.timeout,
+                                                      metadata=metadata or self.metadata):
+                yield Chunk(msg.text, list(msg.token_ids), msg.finish_reason)
+        except grpc.aio.AioRpcError as exc:
+            raise _typed(exc) from None
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

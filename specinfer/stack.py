@@ -1,0 +1,105 @@
+"""``specinfer up``: the whole stack on this machine — verifier(s), speculator(s) and the
+router as separate ``specinfer serve <role>`` processes on loopback — until SIGINT/SIGTERM,
+then stops every one of them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return False
+        try:
+            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                    health_pb2.HealthCheckResponse.SERVING:
+                return True
+        except grpc.RpcError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def run_stack(args) -> int:
+    exe = [sys.executable, "-m", "specinfer"]
+    procs: list[subprocess.Popen] = []
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    # Share the cores among the model processes.
+    threads = max(1, (os.cpu_count() or 1) // max(1, args.verifiers * args.tp * args.pp))
+    verifiers = []
+    for _ in range(args.verifiers):
+        port = _free_port()
+        verifiers.append(f"127.0.0.1:{port}")
+        procs.append(subprocess.Popen(exe + [
+            "serve", "verifier", "--llm", args.llm, "--port", str(port), "--tp", str(args.tp),
+            "--pp", str(args.pp), "--slots", str(args.slots), "--max-context",
+            str(args.max_context), "--threads", str(threads)]))
+    speculators = []
+    for _ in range(args.speculators):
+        port = _free_port()
+        speculators.append(f"127.0.0.1:{port}")
+        cmd = exe + ["serve", "speculator", "--llm", args.llm, "--port", str(port),
+                     "--max-context", str(args.max_context), "--threads", str(threads)]
+        for ref in args.ssm or []:
+            cmd += ["--ssm", ref]
+        procs.append(subprocess.Popen(cmd))
+    router = f"{args.host}:{args.port}"
+    cmd = exe + ["serve", "router", "--llm", args.llm, "--host", args.host, "--port",
+                 str(args.port), "--http-port", str(args.http_port)]
+    for v in verifiers:
+        cmd += ["--verifier", v]
+    for s in speculators:
+        cmd += ["--speculator", s]
+    procs.append(subprocess.Popen(cmd))
+    rc = 0
+    try:
+        if not _wait_serving(router, procs, timeout=900):
+            if not stopping:
+                print("specinfer up: a service failed to start", file=sys.stderr)
+                rc = 1
+        else:
+            print(f"specinfer is serving: gRPC {router}  OpenAI HTTP "
+                  f"http://{args.host}:{args.http_port}/v1  (Ctrl-C stops)", flush=True)
+        while not stopping and rc == 0:
+            if any(p.poll() is not None for p in procs):
+                print("specinfer up: a service exited; stopping", file=sys.stderr)
+                rc = 1
+                break
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return rc

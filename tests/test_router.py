@@ -1,0 +1,197 @@
+"""The whole stack as separate processes on loopback (router, speculator, two verifiers) on
+a tiny random Llama with SmolLM2's tokenizer: the gRPC API, the SDK, the real `openai`
+client against the HTTP API, concurrency, failover, and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+from servers import free_port, wait_serving
+
+from specinfer.client import AsyncClient, Client, InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_chat_llm):
+    """Verifiers and a speculator as `specinfer serve ...` processes, and the router."""
+    procs, verifiers = [], []
+    exe = [sys.executable, "-m", "specinfer", "serve"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for _ in range(2):
+        port = free_port()
+        verifiers.append(f"127.0.0.1:{port}")
+        procs.append(subprocess.Popen(exe + ["verifier", "--llm", tiny_chat_llm, "--port",
+                                             str(port), "--slots", "24", "--max-context",
+                                             "512", "--threads", "1"], env=env))
+    spec_port = free_port()
+    spec = subprocess.Popen(exe + ["speculator", "--llm", tiny_chat_llm, "--ssm",
+                                   f"{tiny_chat_llm}#layers=1", "--port", str(spec_port),
+                                   "--max-context", "512", "--threads", "1"], env=env)
+    procs.append(spec)
+    port, http_port = free_port(), free_port()
+    cmd = exe + ["router", "--llm", tiny_chat_llm, "--port", str(port), "--http-port",
+                 str(http_port), "--speculator", f"127.0.0.1:{spec_port}",
+                 "--spec-max-batch", "64"]
+    for v in verifiers:
+        cmd += ["--verifier", v]
+    router = subprocess.Popen(cmd, env=env)
+    procs.append(router)
+    try:
+        wait_serving(f"127.0.0.1:{port}", router, timeout=240)
+        yield {"addr": f"127.0.0.1:{port}", "http": f"http://127.0.0.1:{http_port}",
+               "verifiers": procs[:2], "speculator": spec, "router": router}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(stack):
+    """Greedy outputs with speculation off: what every other path must reproduce."""
+    with Client(stack["addr"]) as c:
+        return {p: c.generate(p, max_tokens=24, speculation=False).token_ids
+                for p in PROMPTS}
+
+
+PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of",
+           "1, 2, 3, 4,"]
+
+
+def test_greedy_with_speculation_equals_without(stack, reference):
+    with Client(stack["addr"]) as c:
+        for p in PROMPTS:
+            out = c.generate(p, max_tokens=24)
+            assert out.token_ids == reference[p]
+            assert out.completion_tokens == 24 and out.finish_reason == "length"
+            assert sum(out.accepted_per_step) == 24 - 1  # + the prefill token
+            streamed = list(c.stream(p, max_tokens=24))
+            assert [t for ch in streamed for t in ch.token_ids] == reference[p]
+            assert "".join(ch.text for ch in streamed) == out.text
+            assert streamed[-1].finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(stack):
+    with Client(stack["addr"]) as c:
+        a = c.generate("Tell me", max_tokens=16, temperature=0.8, seed=7).token_ids
+        b = c.generate("Tell me", max_tokens=16, temperature=0.8, seed=7).token_ids
+        assert a == b
+
+
+def test_openai_client_plain_and_streaming(stack, reference):
+    import openai
+
+    client = openai.OpenAI(base_url=stack["http"] + "/v1", api_key="unused")
+    models = client.models.list()
+    model = models.data[0].id
+    out = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=24,
+                                    temperature=0)
+    with Client(stack["addr"]) as c:
+        expected = c.generate(PROMPTS[0], max_tokens=24).text
+    assert out.choices[0].text == expected
+    assert out.usage.completion_tokens == 24
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    chat = client.chat.completions.create(model=model, max_tokens=12, temperature=0,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert text == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_sixteen_concurrent_streams(stack, reference):
+    async def one(client, prompt):
+        ids = []
+        async for ch in client.stream(prompt, max_tokens=24):
+            ids += ch.token_ids
+        return prompt, ids
+
+    async def main():
+        async with AsyncClient(stack["addr"]) as client:
+            return await asyncio.gather(*(one(client, PROMPTS[i % 4]) for i in range(16)))
+
+    for prompt, ids in asyncio.run(main()):
+        assert ids == reference[prompt]
+
+
+def http_post(url: str, data: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.parametrize("body,param", [
+    (b'{"prompt": "", "max_tokens": 4}', "prompt"),
+    (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": 100000000}', "max_tokens"),
+    (b'{"prompt": "hi", "temperature": -1}', "temperature"),
+    (b'{"prompt": "hi", "top_p": 0}', "top_p"),
+    (b'{"prompt": "hi", "top_p": 1.5}', "top_p"),
+    (b'{"prompt": "hi", "model": "gpt-7"}', "model"),
+    (b'{"prompt": "hi", ', "body"),
+    (b'{"prompt": "\xff\xfe"}', "body"),
+    (b'{"prompt": "' + b"word " * 600 + b'"}', "prompt"),
+])
+def test_bad_http_input_gets_openai_errors(stack, body, param):
+    status, payload = http_post(stack["http"] + "/v1/completions", body)
+    assert status == 400, payload
+    assert payload["error"]["param"] == param and payload["error"]["message"]
+
+
+def test_bad_grpc_input_is_invalid_argument(stack):
+    with Client(stack["addr"]) as c:
+        for kwargs in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=1.5),
+                       dict(model="nope")):
+            with pytest.raises(InvalidRequestError):
+                c.generate("hello", **{"max_tokens": 4, **kwargs})
+        with pytest.raises(InvalidRequestError):
+            c.generate("", max_tokens=4)
+        assert c.generate("still serving", max_tokens=4).completion_tokens == 4
+
+
+def test_client_disconnect_mid_stream_frees_the_sequence(stack, reference):
+    with Client(stack["addr"]) as c:
+        stream = c.stream(PROMPTS[1], max_tokens=200)
+        next(stream)
+        stream.close()  # cancels the RPC
+        assert c.generate(PROMPTS[0], max_tokens=24).token_ids == reference[PROMPTS[0]]
+
+
+def test_killing_the_speculator_then_a_verifier_loses_nothing(stack, reference):
+    async def one(client, prompt):
+        ids = []
+        async for ch in client.stream(prompt, max_tokens=24):
+            ids += ch.token_ids
+            await asyncio.sleep(0.02)
+        return prompt, ids
+
+    async def main():
+        async with AsyncClient(stack["addr"]) as client:
+            tasks = [asyncio.create_task(one(client, PROMPTS[i % 4])) for i in range(8)]
+            await asyncio.sleep(1.0)
+            stack["speculator"].kill()
+            await asyncio.sleep(1.0)
+            stack["verifiers"][0].kill()
+            return await asyncio.gather(*tasks)
+
+    for prompt, ids in asyncio.run(main()):
+        assert ids == reference[prompt]
+    with Client(stack["addr"]) as c:  # and the stack still serves
+        assert c.generate(PROMPTS[2], max_tokens=24).token_ids == reference[PROMPTS[2]]
