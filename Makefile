@@ -34,7 +34,7 @@ test: setup lint
 	$(VENV)/bin/pytest
 
 run: setup
-	$(VENV)/bin/specinfer serve verifier
+	$(VENV)/bin/specinfer up
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

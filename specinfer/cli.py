@@ -175,7 +175,7 @@ def generate(args: argparse.Namespace) -> int:
                                   "prompt_tokens": out.prompt_tokens,
                                   "elapsed_s": round(elapsed, 4),
                                   "tokens_per_s": round(len(out.token_ids) / elapsed, 2),
-                                  "dtype": "float32"}))
+                                  "dtype": out.dtype}))
             else:
                 for chunk in client.stream(prompt, **kwargs):
                     print(chunk.text, end="", flush=True)

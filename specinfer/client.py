@@ -67,6 +67,7 @@ class Completion:
     completion_tokens: int
     steps: int
     accepted_per_step: list[int] = field(default_factory=list)
+    dtype: str = ""
 
 
 @dataclass
@@ -103,7 +104,7 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
 def _completion(resp: router_pb2.GenerateResponse) -> Completion:
     return Completion(resp.text, list(resp.token_ids), resp.finish_reason,
                       resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.stats.steps,
-                      list(resp.stats.accepted_per_step))
+                      list(resp.stats.accepted_per_step), resp.dtype)
 
 
 class Client:

@@ -11,6 +11,7 @@ re-prefilled on another replica from that history (greedy output is unchanged).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specinfer.errors import InvalidArgument, ResourceExhausted
+from specinfer.errors import InvalidArgument, ResourceExhausted, ServiceError
 from specinfer.grpc_server import CHANNEL_OPTIONS
 from specinfer.sampling import SamplingParams
 from specinfer.v1 import (
@@ -56,6 +57,7 @@ class GenRequest:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     created: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
+    deadline: float | None = None  # time.monotonic() by which the client gives up
 
     @property
     def history(self) -> list[int]:
@@ -79,7 +81,7 @@ class Scheduler:
                  max_waiting: int = 64, spec_max_batch: int = 4,
                  expansion: list[int] | None = None, max_nodes: int = 0,
                  step_timeout_s: float = 60.0, speculate_timeout_s: float = 10.0,
-                 detokenize=None) -> None:
+                 prefill_token_budget: int = 4096, detokenize=None) -> None:
         self.replicas = [self._replica(a) for a in verifiers]
         self.spec_channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
                               for a in speculators]
@@ -92,6 +94,7 @@ class Scheduler:
         self.max_nodes = max_nodes
         self.step_timeout_s = step_timeout_s
         self.speculate_timeout_s = speculate_timeout_s
+        self.prefill_token_budget = prefill_token_budget
         self.detokenize = detokenize
         self.waiting: list[GenRequest] = []
         self.running: list[GenRequest] = []
@@ -173,20 +176,36 @@ class Scheduler:
                 await asyncio.sleep(0.1)
 
     async def _drop_cancelled(self) -> None:
+        now = time.monotonic()
+        for req in self.running + self.waiting:
+            if req.deadline is not None and now > req.deadline and not req.cancelled:
+                req.cancelled = True
+                req.events.put_nowait(("error", DeadlineExceeded("the request's deadline "
+                                                                 "passed")))
         for req in [r for r in self.running if r.cancelled]:
             await self._finish(req, "cancelled")
         self.waiting = [r for r in self.waiting if not r.cancelled]
 
+    def _timeout(self, reqs: list[GenRequest]) -> float:
+        """A hop's deadline: the step timeout, or sooner if a client's deadline is."""
+        deadlines = [r.deadline for r in reqs if r.deadline is not None]
+        if not deadlines:
+            return self.step_timeout_s
+        return max(0.05, min(self.step_timeout_s, min(deadlines) - time.monotonic()))
+
     async def _admit(self) -> None:
+        """Prefill waiting requests, up to the step's prompt-token budget (the first one is
+        always admitted, so a long prompt cannot starve)."""
         by_replica: dict[str, list[GenRequest]] = {}
-        still = []
+        still, budget = [], self.prefill_token_budget
         for req in self.waiting:
-            replica = self._pick_replica(req)
+            replica = self._pick_replica(req) if budget > 0 else None
             if replica is None:
                 still.append(req)
                 continue
             replica.live += 1
             req.replica = replica
+            budget -= len(req.history)
             by_replica.setdefault(replica.address, []).append(req)
         self.waiting = still
         await asyncio.gather(*(self._prefill(reqs) for reqs in by_replica.values()))
@@ -198,7 +217,7 @@ class Scheduler:
                                           session_id=r.session_id) for r in reqs]
         try:
             out = await replica.stub.Prefill(verifier_pb2.PrefillRequest(items=items),
-                                             timeout=self.step_timeout_s)
+                                             timeout=self._timeout(reqs))
         except grpc.aio.AioRpcError as exc:
             for r in reqs:
                 replica.live -= 1
@@ -239,7 +258,7 @@ class Scheduler:
 
         asyncio.ensure_future(check())
 
-    async def _speculate(self, reqs: list[GenRequest]) -> dict[str, object]:
+    async def _speculate(self, reqs: list[GenRequest], budget: int) -> dict[str, object]:
         """Trees for the speculating requests, or {} if no speculator answers."""
         now = time.monotonic()
         for i, stub in enumerate(self.spec_stubs):
@@ -250,12 +269,13 @@ class Scheduler:
                 tree=speculator_pb2.TreeConfig(
                     expansion=self.expansion,
                     max_nodes=min(self.max_nodes or r.replica.max_tree_nodes,
-                                  r.replica.max_tree_nodes,
+                                  r.replica.max_tree_nodes, budget,
                                   r.replica.max_context - len(r.history) - 1)))
                 for r in reqs]
             try:
                 out = await stub.Speculate(speculator_pb2.SpeculateRequest(items=items),
-                                           timeout=self.speculate_timeout_s)
+                                           timeout=min(self.speculate_timeout_s,
+                                                       self._timeout(reqs)))
                 return {res.sequence_id: res.tree for res in out.results}
             except grpc.aio.AioRpcError as exc:
                 log.warning("speculator failed; this step decodes without it",
@@ -267,9 +287,13 @@ class Scheduler:
         batch = list(self.running)
         speculate = [r for r in batch if r.speculation
                      and r.replica.max_context - len(r.history) > 2]
-        if len(batch) > self.spec_max_batch:  # a large batch amortises the LLM: no trees
+        # Adaptive speculation: a larger batch amortises the LLM's weights over more
+        # sequences, so each sequence gets a smaller tree, and none past spec_max_batch.
+        if len(batch) > self.spec_max_batch:
             speculate = []
-        trees = await self._speculate(speculate) if speculate and self.spec_stubs else {}
+        budget = max(4, 64 // max(1, len(speculate)))
+        trees = await self._speculate(speculate, budget) if speculate and self.spec_stubs \
+            else {}
         by_replica: dict[str, list[GenRequest]] = {}
         for r in batch:
             by_replica.setdefault(r.replica.address, []).append(r)
@@ -284,17 +308,31 @@ class Scheduler:
             calls.append(replica.stub.Verify(verifier_pb2.VerifyRequest(items=[
                 verifier_pb2.VerifyItem(sequence_id=r.id, root_token=r.generated[-1],
                                         tree=trees[r.id]) for r in with_tree]),
-                timeout=self.step_timeout_s))
+                timeout=self._timeout(with_tree)))
         if plain:
             calls.append(replica.stub.Decode(verifier_pb2.DecodeRequest(items=[
                 verifier_pb2.DecodeItem(sequence_id=r.id, root_token=r.generated[-1])
-                for r in plain]), timeout=self.step_timeout_s))
+                for r in plain]), timeout=self._timeout(plain)))
         try:
             results = await asyncio.gather(*calls)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 for r in reqs:  # e.g. a tree the verifier rejects: fail loudly, not silently
                     self._fail(r, exc)
+                return
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and any(
+                    r.deadline is not None and r.deadline <= time.monotonic() for r in reqs):
+                # A client's deadline, not a dead replica: the expired requests end on the
+                # next loop; the others restart from the router's history (the verifier
+                # may or may not have applied the step).
+                for r in reqs:
+                    self.running.remove(r)
+                    replica.live -= 1
+                    r.replica = None
+                    self.waiting.insert(0, r)
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await replica.stub.Release(verifier_pb2.ReleaseRequest(
+                        sequence_ids=[r.id for r in reqs]), timeout=10)
                 return
             self._mark_down(replica, exc)
             for r in reqs:  # re-prefill elsewhere from the router's history
@@ -362,6 +400,11 @@ class Scheduler:
             req.replica.live -= 1
             req.replica = None
         req.events.put_nowait(("error", exc))
+
+
+class DeadlineExceeded(ServiceError):
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504
 
 
 def _sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:

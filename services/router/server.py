@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -26,6 +27,7 @@ class Frontend:
     tokenizer: object
     model_name: str
     vocab_size: int
+    dtype: str = "float32"
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -126,17 +128,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.scheduler: Scheduler | None = None
         self.fe: Frontend | None = None
 
-    def _start(self, request) -> Generation:
+    def _start(self, request, context) -> Generation:
         if self.scheduler is None:
             raise Unavailable("the router is still starting")
         req = request_from_proto(request, self.fe)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            req.deadline = time.monotonic() + remaining
         self.scheduler.submit(req)
         return Generation(req, self.fe)
 
     async def Generate(self, request, context):
         gen = None
         try:
-            gen = self._start(request)
+            gen = self._start(request, context)
             ids = []
             async for new, _ in gen.deltas():
                 ids += new
@@ -150,17 +155,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await _abort(context, exc)
         return router_pb2.GenerateResponse(text=gen.sent_text, token_ids=gen.req.generated,
                                            finish_reason=gen.req.finish_reason,
-                                           usage=gen.usage(), stats=gen.stats())
+                                           usage=gen.usage(), stats=gen.stats(),
+                                           dtype=self.fe.dtype)
 
     async def GenerateStream(self, request, context):
         gen = None
         try:
-            gen = self._start(request)
+            gen = self._start(request, context)
             async for new, delta in gen.deltas():
                 if new or delta:
                     yield router_pb2.GenerateStreamResponse(text=delta, token_ids=new)
             yield router_pb2.GenerateStreamResponse(finish_reason=gen.req.finish_reason,
-                                                    usage=gen.usage(), stats=gen.stats())
+                                                    usage=gen.usage(), stats=gen.stats(),
+                                           dtype=self.fe.dtype)
         except asyncio.CancelledError:  # the client went away: free the sequence
             if gen:
                 self.scheduler.cancel(gen.req)
@@ -198,7 +205,8 @@ async def serve(args, host: str, port: int, http_port: int, grace_s: float = 10.
                           max_waiting=args.max_waiting, spec_max_batch=args.spec_max_batch,
                           detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     info = await _retry(scheduler.start)
-    frontend = Frontend(tokenizer, args.model_name or args.llm, info["vocab_size"])
+    frontend = Frontend(tokenizer, args.model_name or args.llm, info["vocab_size"],
+                        info["dtype"])
     servicer.scheduler, servicer.fe = scheduler, frontend
     http = None
     if http_port:
