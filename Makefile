@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.setup-done
 PROTOS := $(wildcard proto/specinfer/v1/*.proto)
 
-.PHONY: setup proto lint test test-fast run clean
+.PHONY: setup proto lint test run bench bench-quick clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,13 @@ test: setup lint
 
 run: setup
 	$(VENV)/bin/specinfer up
+
+# Benchmarks against the anchors (bench/results/<date>/): about an hour; --quick ~10 min.
+bench: setup
+	$(PY) bench/run.py
+
+bench-quick: setup
+	$(PY) bench/run.py --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

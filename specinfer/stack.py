@@ -21,7 +21,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) -> bool:
+def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -80,7 +80,7 @@ def run_stack(args) -> int:
     procs.append(subprocess.Popen(cmd))
     rc = 0
     try:
-        if not _wait_serving(router, procs, timeout=900):
+        if not wait_serving(router, procs, timeout=900):
             if not stopping:
                 print("specinfer up: a service failed to start", file=sys.stderr)
                 rc = 1

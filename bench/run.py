@@ -1,0 +1,339 @@
+"""`make bench`: specinfer against the anchors, side by side, in one run.
+
+Writes bench/results/<date>/{results.json, report.md, *.png} and prints a summary.
+
+1. Latency at batch 1 on MT-Bench first turns (one per category with --quick, else
+   --per-category each), greedy and T=0.7:
+   transformers generate (plain), transformers assisted generation (our best SSM as
+   assistant_model) and prompt lookup; specinfer engine-only with speculation off / on
+   (paper tree, chain, dynamic), and the full gRPC stack off / on. Runs are interleaved
+   (A B A B ...) per prompt so drift cancels; figures are medians over prompts with their
+   spread, plus mean accepted tokens per step, TTFT and time per output token.
+2. Throughput under load through the stack: N concurrent streams, speculation on vs off.
+3. Tree-shape sweep (engine-only): accepted tokens and tokens/s per shape.
+
+    python bench/run.py [--quick] [--new-tokens 128] [--per-category 2] [--pool DIR ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from services.speculator.engine import SpeculateSpec, SpeculatorEngine
+from services.verifier.engine import EngineConfig
+from services.verifier.local import generate_local
+from services.verifier.parallel import build_engine
+from specinfer.data import mtbench_first_turns
+from specinfer.models import DEFAULT_LLM, default_pool, load_ssm, load_tokenizer
+from specinfer.sampling import SamplingParams
+from specinfer.ssm import SSMDrafter
+
+GREEDY, STOCH = SamplingParams(), SamplingParams(temperature=0.7, seed=0)
+PAPER = [1, 1, 3, 1, 1, 1, 1, 1]
+SHAPES = {"chain-4": [1] * 4, "chain-8": [1] * 8, "paper": PAPER, "w2-d6": [2, 1, 1, 1, 1, 1],
+          "w3-d5": [3, 1, 1, 1, 1], "w4-d4": [4, 2, 1, 1], "w5-d3": [5, 1, 1]}
+
+
+def chat_ids(tok, prompt: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                  add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def hf_assistant(llm, ssm, vocab_ids):
+    """Our SSM as a transformers assistant model: its reduced head spread over the full
+    vocabulary (tokens outside it get logit 0)."""
+    import copy
+
+    assistant = copy.deepcopy(ssm)
+    if vocab_ids is not None:
+        head = torch.nn.Linear(llm.config.hidden_size, llm.config.vocab_size, bias=False)
+        with torch.no_grad():
+            head.weight.zero_()
+            head.weight[vocab_ids] = ssm.lm_head.weight
+        assistant.lm_head = head
+    assistant.generation_config = copy.deepcopy(llm.generation_config)
+    return assistant
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.tok = load_tokenizer(args.llm)
+        self.engine = build_engine(args.llm, EngineConfig(max_context=2048, slots=4))
+        self.llm = self.engine.executor.runtime.model
+        self.refs = args.pool if args.pool is not None else default_pool(args.llm)
+        self.ssms = [load_ssm(r) for r in self.refs]
+        self.drafters = [SSMDrafter(m, i, slots=4, vocab_ids=v,
+                                    llm_vocab_size=self.engine.vocab_size)
+                         for i, (m, v) in enumerate(self.ssms)]
+        self.assistant = hf_assistant(self.llm, *self.ssms[0]) if self.ssms else None
+        self.counter = iter(range(10**9))
+
+    # --- single runs, each returning {tokens, elapsed, ttft, accepted} -----------------
+
+    def hf(self, ids, params, **kw):
+        sample = dict(do_sample=True, temperature=params.temperature) if not params.greedy \
+            else dict(do_sample=False)
+        x = torch.tensor([ids])
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = self.llm.generate(x, attention_mask=torch.ones_like(x),
+                                    max_new_tokens=self.args.new_tokens, **sample, **kw)
+        n = out.shape[1] - len(ids)
+        return {"tokens": n, "elapsed": time.perf_counter() - t, "accepted": None}
+
+    def ours(self, ids, params, shape=None, dynamic=False, spec=True):
+        trees = None
+        if spec:
+            engine = SpeculatorEngine(self.drafters, self.engine.vocab_size, expansion=shape,
+                                      max_nodes=64)
+
+            def trees(histories):
+                return engine.speculate([SpeculateSpec(f"b{next(self.counter)}", h, params,
+                                                       shape or PAPER, 0, dynamic)
+                                         for h in histories])
+        res = generate_local(self.engine, [ids], self.args.new_tokens, trees=trees,
+                             params=params)[0]
+        return {"tokens": len(res.token_ids), "elapsed": res.elapsed_s, "ttft": res.ttft_s,
+                "accepted": sum(res.accepted_per_step) / max(1, res.steps)}
+
+    def stack(self, client, ids, params, spec):
+        prompt = self.tok.decode(ids)
+        t = time.perf_counter()
+        ttft, n = None, 0
+        for ch in client.stream(prompt, max_tokens=self.args.new_tokens,
+                                temperature=params.temperature, seed=params.seed,
+                                speculation=spec):
+            if ttft is None and ch.token_ids:
+                ttft = time.perf_counter() - t
+            n += len(ch.token_ids)
+        return {"tokens": n, "elapsed": time.perf_counter() - t, "ttft": ttft,
+                "accepted": None}
+
+
+def summarize(runs: list[dict]) -> dict:
+    tps = [r["tokens"] / r["elapsed"] for r in runs]
+    out = {"tokens_per_s": statistics.median(tps), "spread": [min(tps), max(tps)],
+           "n": len(runs)}
+    acc = [r["accepted"] for r in runs if r.get("accepted") is not None]
+    if acc:
+        out["accepted_per_step"] = statistics.mean(acc)
+    ttft = [r["ttft"] for r in runs if r.get("ttft") is not None]
+    if ttft:
+        out["ttft_s"] = statistics.median(ttft)
+        out["tpot_ms"] = statistics.median(
+            (r["elapsed"] - r["ttft"]) / max(1, r["tokens"] - 1) * 1e3 for r in runs
+            if r.get("ttft") is not None)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--llm", default=DEFAULT_LLM)
+    ap.add_argument("--pool", nargs="*", default=None)
+    ap.add_argument("--quick", action="store_true", help="8 prompts x 64 tokens, fewer systems")
+    ap.add_argument("--per-category", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.per_category, args.new_tokens, args.concurrency = 1, 64, "1,4"
+    out = Path(args.out or f"bench/results/{datetime.date.today().isoformat()}")
+    out.mkdir(parents=True, exist_ok=True)
+    b = Bench(args)
+    prompts = [(c, chat_ids(b.tok, p)) for c, p in mtbench_first_turns(args.per_category)]
+    print(f"{len(prompts)} MT-Bench prompts, {args.new_tokens} new tokens, pool {b.refs}")
+
+    port, http = _free_port(), _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    stack = subprocess.Popen([sys.executable, "-m", "specinfer", "up", "--port", str(port),
+                              "--http-port", str(http), "--max-context", "2048",
+                              *sum((["--ssm", r] for r in b.refs), [])], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait(f"127.0.0.1:{port}", stack)
+        from specinfer.client import Client
+
+        client = Client(f"127.0.0.1:{port}", timeout=900)
+        systems = {
+            "hf-generate": lambda ids, p: b.hf(ids, p),
+            "hf-prompt-lookup": lambda ids, p: b.hf(ids, p, prompt_lookup_num_tokens=10),
+            "ours-engine-off": lambda ids, p: b.ours(ids, p, spec=False),
+            "ours-engine-paper": lambda ids, p: b.ours(ids, p, PAPER),
+            "ours-stack-off": lambda ids, p: b.stack(client, ids, p, False),
+            "ours-stack-on": lambda ids, p: b.stack(client, ids, p, True),
+        }
+        if b.assistant is not None:
+            systems["hf-assisted-ssm"] = lambda ids, p: b.hf(ids, p,
+                                                            assistant_model=b.assistant)
+        if not args.quick:
+            systems["ours-engine-chain"] = lambda ids, p: b.ours(ids, p, [1] * 6)
+            systems["ours-engine-dynamic"] = lambda ids, p: b.ours(ids, p, PAPER, True)
+        results = {"machine": {"platform": platform.platform(), "cpu": platform.processor(),
+                               "cores": os.cpu_count(), "torch": torch.__version__,
+                               "threads": torch.get_num_threads()},
+                   "llm": args.llm, "dtype": str(b.engine.executor.dtype), "pool": b.refs,
+                   "new_tokens": args.new_tokens, "prompts": len(prompts), "latency": {}}
+        for mode, params in (("greedy", GREEDY), ("T=0.7", STOCH)):
+            runs: dict[str, list[dict]] = {k: [] for k in systems}
+            by_cat: dict[str, dict[str, list[float]]] = {}
+            for cat, ids in prompts:  # interleaved: every system on this prompt, in turn
+                for name, fn in systems.items():
+                    r = fn(ids, params)
+                    runs[name].append(r)
+                    by_cat.setdefault(cat, {}).setdefault(name, []).append(
+                        r["tokens"] / r["elapsed"])
+            summary = {k: summarize(v) for k, v in runs.items()}
+            base = summary["hf-generate"]["tokens_per_s"]
+            for s in summary.values():
+                s["speedup"] = s["tokens_per_s"] / base
+            results["latency"][mode] = {"systems": summary, "by_category": {
+                c: {k: statistics.median(v) for k, v in d.items()} for c, d in by_cat.items()}}
+            print(f"\n[{mode}] batch 1")
+            print(f"{'system':<22} {'tok/s':>7} {'speedup':>8} {'acc/step':>9} {'TTFT s':>7}")
+            for k, s in summary.items():
+                print(f"{k:<22} {s['tokens_per_s']:>7.1f} {s['speedup']:>8.2f} "
+                      f"{s.get('accepted_per_step', float('nan')):>9.2f} "
+                      f"{s.get('ttft_s', float('nan')):>7.2f}")
+        results["load"] = load_test(f"127.0.0.1:{port}", b, prompts,
+                                    [int(x) for x in args.concurrency.split(",")])
+        if not args.quick:
+            results["shapes"] = shape_sweep(b, prompts)
+        client.close()
+    finally:
+        stack.send_signal(signal.SIGTERM)
+        try:
+            stack.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            stack.kill()
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    write_report(results, out)
+    print(f"\nwrote {out}/results.json, report.md and plots")
+
+
+def load_test(addr: str, b: Bench, prompts, levels: list[int]) -> list[dict]:
+    from specinfer.client import AsyncClient
+
+    async def one(client, ids, spec):
+        t0 = time.perf_counter()
+        stamps = []
+        async for ch in client.stream(b.tok.decode(ids), max_tokens=b.args.new_tokens,
+                                      speculation=spec):
+            stamps += [time.perf_counter()] * len(ch.token_ids)
+        ttft = stamps[0] - t0 if stamps else None
+        tpot = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1) if stamps else None
+        return len(stamps), ttft, tpot
+
+    async def level(n, spec):
+        async with AsyncClient(addr, timeout=1800) as client:
+            t = time.perf_counter()
+            res = await asyncio.gather(*(one(client, prompts[i % len(prompts)][1], spec)
+                                         for i in range(n)))
+            wall = time.perf_counter() - t
+        tpots = sorted(r[2] for r in res if r[2] is not None)
+        return {"concurrency": n, "speculation": spec,
+                "output_tokens_per_s": sum(r[0] for r in res) / wall,
+                "tpot_p50_ms": tpots[len(tpots) // 2] * 1e3,
+                "tpot_p99_ms": tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))] * 1e3,
+                "ttft_p50_s": statistics.median(r[1] for r in res if r[1] is not None)}
+
+    rows = []
+    print(f"\n{'streams':>7} {'spec':>5} {'out tok/s':>10} {'TPOT p50':>9} {'p99':>7} {'TTFT':>6}")
+    for n in levels:
+        for spec in (False, True):
+            r = asyncio.run(level(n, spec))
+            rows.append(r)
+            print(f"{n:>7} {str(spec):>5} {r['output_tokens_per_s']:>10.1f} "
+                  f"{r['tpot_p50_ms']:>9.0f} {r['tpot_p99_ms']:>7.0f} {r['ttft_p50_s']:>6.2f}")
+    return rows
+
+
+def shape_sweep(b: Bench, prompts) -> list[dict]:
+    rows = []
+    print(f"\n{'shape':<10} {'acc/step':>9} {'tok/s':>7}")
+    for name, shape in SHAPES.items():
+        runs = [b.ours(ids, GREEDY, shape) for _, ids in prompts[:8]]
+        s = summarize(runs)
+        rows.append({"shape": name, "expansion": shape, **s})
+        print(f"{name:<10} {s['accepted_per_step']:>9.2f} {s['tokens_per_s']:>7.1f}")
+    return rows
+
+
+def write_report(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [f"# specinfer benchmark — {datetime.date.today().isoformat()}", "",
+             f"LLM `{results['llm']}` ({results['dtype']}), SSM pool {results['pool']}, "
+             f"{results['prompts']} MT-Bench first turns, {results['new_tokens']} new tokens.",
+             f"Machine: {results['machine']}", ""]
+    for mode, data in results["latency"].items():
+        lines += [f"## Batch 1, {mode}", "", "| system | tok/s (median) | spread | speedup | "
+                  "accepted/step | TTFT s | TPOT ms |", "|---|---|---|---|---|---|---|"]
+        for k, s in data["systems"].items():
+            lines.append(f"| {k} | {s['tokens_per_s']:.1f} | {s['spread'][0]:.1f}–"
+                         f"{s['spread'][1]:.1f} | {s['speedup']:.2f}× | "
+                         f"{s.get('accepted_per_step', float('nan')):.2f} | "
+                         f"{s.get('ttft_s', float('nan')):.2f} | "
+                         f"{s.get('tpot_ms', float('nan')):.0f} |")
+        lines.append("")
+        fig, ax = plt.subplots(figsize=(8, 4))
+        names = list(data["systems"])
+        ax.barh(names, [data["systems"][k]["speedup"] for k in names], color="#4c72b0")
+        ax.axvline(1.0, color="grey", linestyle="--")
+        ax.set_xlabel("speedup vs transformers generate (batch 1)")
+        ax.set_title(mode)
+        fig.tight_layout()
+        fname = f"latency-{mode.replace('=', '').replace('.', '')}.png"
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        lines += [f"![{mode}]({fname})", ""]
+    lines += ["## Under load (stack)", "", "| streams | speculation | out tok/s | TPOT p50 ms | "
+              "TPOT p99 ms | TTFT p50 s |", "|---|---|---|---|---|---|"]
+    for r in results["load"]:
+        lines.append(f"| {r['concurrency']} | {r['speculation']} | "
+                     f"{r['output_tokens_per_s']:.1f} | {r['tpot_p50_ms']:.0f} | "
+                     f"{r['tpot_p99_ms']:.0f} | {r['ttft_p50_s']:.2f} |")
+    if "shapes" in results:
+        lines += ["", "## Tree shapes (engine-only, greedy)", "",
+                  "| shape | accepted/step | tok/s |", "|---|---|---|"]
+        lines += [f"| {r['shape']} {r['expansion']} | {r['accepted_per_step']:.2f} | "
+                  f"{r['tokens_per_s']:.1f} |" for r in results["shapes"]]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(addr: str, proc: subprocess.Popen, timeout: float = 900) -> None:
+    from specinfer.stack import wait_serving
+
+    if not wait_serving(addr, [proc], timeout):
+        raise RuntimeError("the stack did not come up")
+
+
+if __name__ == "__main__":
+    main()
