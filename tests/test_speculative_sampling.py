@@ -2,7 +2,7 @@
 code the services run, minus RPC) on a tiny random Llama: with speculation on and off, the
 second and third generated tokens have the same distribution.
 
-Two-sample chi-square test of homogeneity per token position, N = 1,500 sequences each,
+Two-sample chi-square test of homogeneity per token position, N = 1,000 sequences each,
 cells with fewer than 10 pooled counts merged; pass if p > 1e-3 (seeded: deterministic).
 """
 
@@ -20,7 +20,7 @@ from specinfer.models import load_ssm
 from specinfer.sampling import SamplingParams
 from specinfer.ssm import SSMDrafter
 
-N = 1500
+N = 1000
 
 
 def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
