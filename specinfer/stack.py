@@ -94,12 +94,17 @@ def run_stack(args) -> int:
                 break
             time.sleep(0.5)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
     return rc
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
+    """SIGTERM every process that still runs, wait, and SIGKILL what did not stop."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+from specinfer.sampling import SamplingParams
 from specinfer.tree import Draft, TokenTree
 from specinfer.v1 import common_pb2
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, field: str) -> SamplingParams:
+    """Validated sampling parameters; the error names ``field`` (e.g. ``items[2].sampling``)."""
+    try:
+        return SamplingParams.from_proto(msg)
+    except ValueError as exc:
+        raise ValueError(f"{field}.{exc}") from exc
 
 
 def tree_to_proto(tree: TokenTree) -> common_pb2.TokenTree:

@@ -60,3 +60,23 @@ def save_tiny_chat_llm(path, seed: int = 0, layers: int = 2) -> str:
 @pytest.fixture(scope="session")
 def tiny_chat_llm(tmp_path_factory) -> str:
     return save_tiny_chat_llm(tmp_path_factory.mktemp("tiny-chat-llm"))
+
+
+def decoy_tree(truth: list[int], vocab: int, gen: torch.Generator):
+    """A tree holding ``truth`` (the LLM's own continuation) among random decoys at random
+    positions, going wrong at a random depth: accepted paths are often not the leftmost."""
+    from specinfer.tree import ROOT, Draft, TokenTree
+
+    tree, node = TokenTree(), ROOT
+    cut = int(torch.randint(0, len(truth) + 1, (1,), generator=gen))
+    for d, tok in enumerate(truth):
+        decoys = torch.randint(0, vocab, (2,), generator=gen).tolist()
+        real = tok if d < cut else decoys[0]
+        order = [*decoys, real] if torch.rand(1, generator=gen) < 0.7 else [real, *decoys]
+        nxt = node
+        for t in order:
+            child = tree.add(node, t, [Draft.one_hot(0, 0, t)])
+            if t == real:
+                nxt = child
+        node = nxt
+    return tree

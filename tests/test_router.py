@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -17,6 +16,7 @@ import pytest
 from servers import free_port, wait_serving
 
 from specinfer.client import AsyncClient, Client, InvalidRequestError
+from specinfer.stack import stop_processes
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +49,7 @@ def stack(tiny_chat_llm):
         yield {"addr": f"127.0.0.1:{port}", "http": f"http://127.0.0.1:{http_port}",
                "verifiers": procs[:2], "speculator": spec, "router": router}
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import decoy_tree
 
 from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
 from specinfer.data import mtbench_first_turns
 from specinfer.models import DEFAULT_LLM, load_tokenizer
-from specinfer.tree import ROOT, Draft, TokenTree
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 64
@@ -40,23 +40,8 @@ def noisy_oracle(prompt: list[int], continuation: list[int], vocab: int, seed: i
     gen = torch.Generator().manual_seed(seed)
 
     def trees(histories):
-        out = []
-        for hist in histories:
-            done = len(hist) - len(prompt)
-            truth = continuation[done : done + 5]
-            tree, node = TokenTree(), ROOT
-            cut = int(torch.randint(0, len(truth) + 1, (1,), generator=gen))
-            for d, tok in enumerate(truth):
-                decoys = torch.randint(0, vocab, (2,), generator=gen).tolist()
-                real = tok if d < cut else decoys[0]
-                order = [*decoys, real] if torch.rand(1, generator=gen) < 0.7 else [real, *decoys]
-                for t in order:
-                    child = tree.add(node, t, [Draft.one_hot(0, 0, t)])
-                    if t == real:
-                        nxt = child
-                node = nxt
-            out.append(tree)
-        return out
+        done = [len(h) - len(prompt) for h in histories]
+        return [decoy_tree(continuation[d : d + 5], vocab, gen) for d in done]
 
     return trees
 

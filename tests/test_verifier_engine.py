@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import decoy_tree
 from transformers import AutoModelForCausalLM
 
 from services.verifier.engine import EngineConfig, PrefillSpec
@@ -13,7 +14,7 @@ from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
 from specinfer.errors import InvalidArgument, OutOfRange, ResourceExhausted
 from specinfer.sampling import SamplingParams
-from specinfer.tree import ROOT, Draft, TokenTree
+from specinfer.tree import ROOT, TokenTree
 
 TOL = 1e-4
 
@@ -36,34 +37,17 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def noisy_oracle(model, seed: int, depth: int = 4):
-    """Trees that hold the LLM's true continuation at a random position among decoys, and
-    sometimes go wrong part-way: accepted paths are often not the leftmost."""
+    """Trees around the LLM's true continuation (computed here, uncached)."""
     gen = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
 
     def trees(histories: list[list[int]]) -> list[TokenTree]:
         out = []
         for hist in histories:
-            truth = []
+            ctx = list(hist)
             with torch.no_grad():
-                ctx = list(hist)
                 for _ in range(depth):
-                    tok = int(model(torch.tensor([ctx])).logits[0, -1].argmax())
-                    truth.append(tok)
-                    ctx.append(tok)
-            tree, node = TokenTree(), ROOT
-            cut = int(torch.randint(1, depth + 2, (1,), generator=gen))
-            for d, tok in enumerate(truth):
-                decoys = torch.randint(0, vocab, (2,), generator=gen).tolist()
-                real = tok if d < cut else decoys[0]
-                order = [*decoys, real] if torch.rand(1, generator=gen) < 0.7 else [real, *decoys]
-                nxt = None
-                for t in order:
-                    child = tree.add(node, t, [Draft.one_hot(0, 0, t)])
-                    if t == real:
-                        nxt = child
-                node = nxt
-            out.append(tree)
+                    ctx.append(int(model(torch.tensor([ctx])).logits[0, -1].argmax()))
+            out.append(decoy_tree(ctx[len(hist):], model.config.vocab_size, gen))
         return out
 
     return trees

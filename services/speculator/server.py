@@ -10,9 +10,8 @@ import grpc
 
 from services.speculator.engine import SpeculateSpec, SpeculatorEngine
 from specinfer.grpc_server import Service, abort_on_error
-from specinfer.sampling import SamplingParams
 from specinfer.v1 import speculator_pb2, speculator_pb2_grpc
-from specinfer.wire import tree_to_proto
+from specinfer.wire import sampling_from_proto, tree_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -20,10 +19,7 @@ log = logging.getLogger(__name__)
 def specs_from_proto(request: speculator_pb2.SpeculateRequest) -> list[SpeculateSpec]:
     specs = []
     for i, item in enumerate(request.items):
-        try:
-            params = SamplingParams.from_proto(item.sampling)
-        except ValueError as exc:
-            raise ValueError(f"items[{i}].sampling.{exc}") from exc
+        params = sampling_from_proto(item.sampling, f"items[{i}].sampling")
         specs.append(SpeculateSpec(item.sequence_id, list(item.context), params,
                                    list(item.tree.expansion), item.tree.max_nodes,
                                    item.tree.dynamic))

@@ -15,9 +15,8 @@ import grpc
 
 from services.verifier.engine import PrefillSpec, VerifierEngine
 from specinfer.grpc_server import Service, abort_on_error
-from specinfer.sampling import SamplingParams
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
-from specinfer.wire import tree_from_proto
+from specinfer.wire import sampling_from_proto, tree_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +55,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         def run():
             specs = []
             for i, item in enumerate(request.items):
-                try:
-                    params = SamplingParams.from_proto(item.sampling)
-                except ValueError as exc:
-                    raise ValueError(f"items[{i}].sampling.{exc}") from exc
+                params = sampling_from_proto(item.sampling, f"items[{i}].sampling")
                 specs.append(PrefillSpec(item.sequence_id, list(item.token_ids), params,
                                          item.session_id))
             return self.engine.prefill(specs)
