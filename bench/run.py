@@ -102,10 +102,12 @@ class Bench:
             engine = SpeculatorEngine(self.drafters, self.engine.vocab_size, expansion=shape,
                                       max_nodes=64)
 
+            sid = f"s{next(self.counter)}"  # stable per sequence: the SSM KV cache hits
+
             def trees(histories):
-                return engine.speculate([SpeculateSpec(f"b{next(self.counter)}", h, params,
+                return engine.speculate([SpeculateSpec(f"{sid}-{i}", h, params,
                                                        shape or PAPER, 0, dynamic)
-                                         for h in histories])
+                                         for i, h in enumerate(histories)])
         res = generate_local(self.engine, [ids], self.args.new_tokens, trees=trees,
                              params=params)[0]
         return {"tokens": len(res.token_ids), "elapsed": res.elapsed_s, "ttft": res.ttft_s,

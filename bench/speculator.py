@@ -42,15 +42,13 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def run(engine, spec_engine, prompts, new_tokens, params, expansion, dynamic=False):
-    counter = iter(range(10**9))
-
-    def trees(histories):
-        specs = [SpeculateSpec(f"b{next(counter)}-{i}", h, params, expansion, 0, dynamic)
-                 for i, h in enumerate(histories)]
-        return spec_engine.speculate(specs)
-
     accepted, steps, tokens, elapsed = 0, 0, 0, 0.0
-    for p in prompts:
+    for k, p in enumerate(prompts):
+        def trees(histories, k=k):  # a stable id per sequence: the SSM KV cache hits
+            return spec_engine.speculate([SpeculateSpec(f"p{k}-{i}", h, params, expansion, 0,
+                                                        dynamic)
+                                          for i, h in enumerate(histories)])
+
         res = generate_local(engine, [p], new_tokens, trees=trees, params=params)[0]
         accepted += sum(res.accepted_per_step)
         steps += res.steps

@@ -45,6 +45,33 @@ class KVCache:
         self.v[:, slot, d] = self.v[:, slot, s]
 
 
+class Gemm:
+    """Linear layers for this runtime. One row (incremental decoding) goes to the default
+    BLAS GEMV; several rows (trees, prefill) go to oneDNN with weights packed once at load,
+    which on these CPUs runs small-M GEMMs up to 2x faster than the default path. Modules
+    other than a plain ``nn.Linear`` (e.g. DeepSpeed's all-reducing shards) are called."""
+
+    def __init__(self, modules: list[torch.nn.Module], enabled: bool) -> None:
+        self.packed: dict[int, torch.Tensor] = {}
+        if not enabled:
+            return
+        try:
+            for m in modules:
+                if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32:
+                    self.packed[id(m)] = torch.ops.mkldnn._reorder_linear_weight(m.weight, 16)
+        except (AttributeError, RuntimeError):  # no oneDNN in this torch build
+            self.packed.clear()
+
+    def __call__(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed.get(id(module))
+        rows = x.numel() // x.shape[-1]
+        if packed is None or rows == 1:
+            return module(x)
+        flat = x.reshape(rows, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, module.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -58,7 +85,8 @@ class LlamaRuntime:
     """
 
     def __init__(self, model, slots: int, slot_len: int,
-                 first_layer: int = 0, last_layer: int | None = None) -> None:
+                 first_layer: int = 0, last_layer: int | None = None,
+                 onednn: bool = True) -> None:
         self.model = model
         cfg = model.config
         self.config = cfg
@@ -79,6 +107,11 @@ class LlamaRuntime:
         kv_heads = self.layers[0].self_attn.k_proj.weight.shape[0] // self.head_dim
         self.cache = KVCache(len(self.layers), slots, slot_len, kv_heads, self.head_dim,
                              self.dtype)
+        linears = [m for layer in self.layers for m in layer.modules()
+                   if isinstance(m, torch.nn.Linear)]
+        if self.is_last:
+            linears.append(model.lm_head)
+        self.gemm = Gemm(linears, onednn)
 
     @property
     def is_first(self) -> bool:
@@ -114,9 +147,10 @@ class LlamaRuntime:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
-            qs = attn.q_proj(x).view(b, q, -1, self.head_dim)
-            ks = attn.k_proj(x).view(b, q, -1, self.head_dim)
-            vs = attn.v_proj(x).view(b, q, -1, self.head_dim)
+            gemm = self.gemm
+            qs = gemm(attn.q_proj, x).view(b, q, -1, self.head_dim)
+            ks = gemm(attn.k_proj, x).view(b, q, -1, self.head_dim)
+            vs = gemm(attn.v_proj, x).view(b, q, -1, self.head_dim)
             qs = qs * cos + _rotate_half(qs) * sin
             ks = ks * cos + _rotate_half(ks) * sin
             ck, cv = self.cache.k[i], self.cache.v[i]
@@ -131,10 +165,14 @@ class LlamaRuntime:
                 attn_mask=mask, enable_gqa=True,
                 is_causal=False,
             )
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + gemm(attn.o_proj, out.transpose(1, 2).reshape(b, q, -1))
+            hidden = hidden + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden))
         return hidden
+
+    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        gemm = self.gemm
+        return gemm(mlp.down_proj, mlp.act_fn(gemm(mlp.gate_proj, x)) * gemm(mlp.up_proj, x))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.body.norm(hidden)).float()
+        return self.gemm(self.model.lm_head, self.body.norm(hidden)).float()
