@@ -67,7 +67,7 @@ class GenRequest:
 @dataclass
 class Replica:
     address: str
-    stub: verifier_pb2_grpc.VerifierStub
+    rpc: verifier_pb2_grpc.VerifierStub
     channel: grpc.aio.Channel
     healthy: bool = True
     capacity: int = 1
@@ -85,7 +85,7 @@ class Scheduler:
         self.replicas = [self._replica(a) for a in verifiers]
         self.spec_channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
                               for a in speculators]
-        self.spec_stubs = [speculator_pb2_grpc.SpeculatorStub(c) for c in self.spec_channels]
+        self.spec_clients = [speculator_pb2_grpc.SpeculatorStub(c) for c in self.spec_channels]
         self.spec_down_until = [0.0] * len(speculators)
         self.eos_ids = set(eos_ids)
         self.max_waiting = max_waiting
@@ -110,7 +110,7 @@ class Scheduler:
         """Query every verifier's Info (they must be up); start the loop."""
         info = None
         for r in self.replicas:
-            i = await r.stub.Info(verifier_pb2.InfoRequest(), timeout=30)
+            i = await r.rpc.Info(verifier_pb2.InfoRequest(), timeout=30)
             r.capacity = max(1, i.kv_capacity_tokens // max(1, i.max_context))
             r.max_tree_nodes, r.max_context = i.max_tree_nodes, i.max_context
             info = info or i
@@ -216,7 +216,7 @@ class Scheduler:
                                           sampling=_sampling_proto(r.params),
                                           session_id=r.session_id) for r in reqs]
         try:
-            out = await replica.stub.Prefill(verifier_pb2.PrefillRequest(items=items),
+            out = await replica.rpc.Prefill(verifier_pb2.PrefillRequest(items=items),
                                              timeout=self._timeout(reqs))
         except grpc.aio.AioRpcError as exc:
             for r in reqs:
@@ -250,7 +250,7 @@ class Scheduler:
     def _probe(self, replica: Replica) -> None:
         async def check() -> None:
             try:
-                await replica.stub.Info(verifier_pb2.InfoRequest(), timeout=2)
+                await replica.rpc.Info(verifier_pb2.InfoRequest(), timeout=2)
                 replica.healthy, replica.live = True, 0
                 log.info("verifier replica back", extra={"replica": replica.address})
             except grpc.aio.AioRpcError:
@@ -261,7 +261,7 @@ class Scheduler:
     async def _speculate(self, reqs: list[GenRequest], budget: int) -> dict[str, object]:
         """Trees for the speculating requests, or {} if no speculator answers."""
         now = time.monotonic()
-        for i, stub in enumerate(self.spec_stubs):
+        for i, client in enumerate(self.spec_clients):
             if self.spec_down_until[i] > now:
                 continue
             items = [speculator_pb2.SpeculateItem(
@@ -273,7 +273,7 @@ class Scheduler:
                                   r.replica.max_context - len(r.history) - 1)))
                 for r in reqs]
             try:
-                out = await stub.Speculate(speculator_pb2.SpeculateRequest(items=items),
+                out = await client.Speculate(speculator_pb2.SpeculateRequest(items=items),
                                            timeout=min(self.speculate_timeout_s,
                                                        self._timeout(reqs)))
                 return {res.sequence_id: res.tree for res in out.results}
@@ -292,7 +292,7 @@ class Scheduler:
         if len(batch) > self.spec_max_batch:
             speculate = []
         budget = max(4, 64 // max(1, len(speculate)))
-        trees = await self._speculate(speculate, budget) if speculate and self.spec_stubs \
+        trees = await self._speculate(speculate, budget) if speculate and self.spec_clients \
             else {}
         by_replica: dict[str, list[GenRequest]] = {}
         for r in batch:
@@ -305,12 +305,12 @@ class Scheduler:
         plain = [r for r in reqs if r.id not in trees]
         calls = []
         if with_tree:
-            calls.append(replica.stub.Verify(verifier_pb2.VerifyRequest(items=[
+            calls.append(replica.rpc.Verify(verifier_pb2.VerifyRequest(items=[
                 verifier_pb2.VerifyItem(sequence_id=r.id, root_token=r.generated[-1],
                                         tree=trees[r.id]) for r in with_tree]),
                 timeout=self._timeout(with_tree)))
         if plain:
-            calls.append(replica.stub.Decode(verifier_pb2.DecodeRequest(items=[
+            calls.append(replica.rpc.Decode(verifier_pb2.DecodeRequest(items=[
                 verifier_pb2.DecodeItem(sequence_id=r.id, root_token=r.generated[-1])
                 for r in plain]), timeout=self._timeout(plain)))
         try:
@@ -331,7 +331,7 @@ class Scheduler:
                     r.replica = None
                     self.waiting.insert(0, r)
                 with contextlib.suppress(grpc.aio.AioRpcError):
-                    await replica.stub.Release(verifier_pb2.ReleaseRequest(
+                    await replica.rpc.Release(verifier_pb2.ReleaseRequest(
                         sequence_ids=[r.id for r in reqs]), timeout=10)
                 return
             self._mark_down(replica, exc)
@@ -385,7 +385,7 @@ class Scheduler:
             replica.live -= 1
             req.replica = None
             try:
-                await replica.stub.Release(verifier_pb2.ReleaseRequest(
+                await replica.rpc.Release(verifier_pb2.ReleaseRequest(
                     sequence_ids=[req.id], keep_for_session=bool(req.session_id)), timeout=10)
             except grpc.aio.AioRpcError as exc:
                 log.info("release failed", extra={"error": exc.code().name})

@@ -139,24 +139,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return Generation(req, self.fe)
 
     async def Generate(self, request, context):
-        gen = None
-        try:
-            gen = self._start(request, context)
-            ids = []
-            async for new, _ in gen.deltas():
-                ids += new
-        except asyncio.CancelledError:
-            if gen:
-                self.scheduler.cancel(gen.req)
-            raise
-        except (ServiceError, ValueError, grpc.aio.AioRpcError) as exc:
-            if gen:
-                self.scheduler.cancel(gen.req)
-            await _abort(context, exc)
-        return router_pb2.GenerateResponse(text=gen.sent_text, token_ids=gen.req.generated,
-                                           finish_reason=gen.req.finish_reason,
-                                           usage=gen.usage(), stats=gen.stats(),
-                                           dtype=self.fe.dtype)
+        """The unary form of GenerateStream: the same run, collected."""
+        text, ids, last = [], [], None
+        async for msg in self.GenerateStream(request, context):
+            text.append(msg.text)
+            ids += msg.token_ids
+            last = msg
+        return router_pb2.GenerateResponse(text="".join(text), token_ids=ids,
+                                           finish_reason=last.finish_reason, usage=last.usage,
+                                           stats=last.stats, dtype=last.dtype)
 
     async def GenerateStream(self, request, context):
         gen = None
@@ -167,7 +158,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     yield router_pb2.GenerateStreamResponse(text=delta, token_ids=new)
             yield router_pb2.GenerateStreamResponse(finish_reason=gen.req.finish_reason,
                                                     usage=gen.usage(), stats=gen.stats(),
-                                           dtype=self.fe.dtype)
+                                                    dtype=self.fe.dtype)
         except asyncio.CancelledError:  # the client went away: free the sequence
             if gen:
                 self.scheduler.cancel(gen.req)
