@@ -78,3 +78,23 @@ class Service:
         if on_stop is not None:
             await on_stop()
         log.info("stopped")
+
+
+async def serve_engine(name: str, servicer, register, full_name: str, build, host: str,
+                       port: int, grace_s: float = 10.0, close=None) -> None:
+    """Run a service whose ``servicer`` holds an ``engine`` built by ``build()`` on its
+    single worker thread (``servicer.pool``): listen at once (NOT_SERVING), build, report
+    SERVING, run until SIGTERM/SIGINT, then ``close(engine)`` on the worker thread."""
+    service = Service(name, host, port)
+    register(servicer, service.server)
+    service.add(full_name)
+    await service.start()
+    loop = asyncio.get_running_loop()
+    servicer.engine = await loop.run_in_executor(servicer.pool, build)
+    await service.set_serving()
+
+    async def stop() -> None:
+        if close is not None:
+            await loop.run_in_executor(servicer.pool, close, servicer.engine)
+
+    await service.run_until_signal(grace_s, on_stop=stop)

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.speculator.engine import SpeculateSpec, SpeculatorEngine
-from specinfer.grpc_server import Service, abort_on_error
+from specinfer.grpc_server import abort_on_error, serve_engine
 from specinfer.v1 import speculator_pb2, speculator_pb2_grpc
 from specinfer.wire import sampling_from_proto, tree_to_proto
 
@@ -47,11 +47,7 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
 
 
 async def serve(build, host: str, port: int, grace_s: float = 10.0) -> None:
-    service = Service("speculator", host, port)
-    servicer = SpeculatorServicer()
-    speculator_pb2_grpc.add_SpeculatorServicer_to_server(servicer, service.server)
-    service.add(speculator_pb2.DESCRIPTOR.services_by_name["Speculator"].full_name)
-    await service.start()
-    servicer.engine = await asyncio.get_running_loop().run_in_executor(servicer.pool, build)
-    await service.set_serving()
-    await service.run_until_signal(grace_s)
+    await serve_engine("speculator", SpeculatorServicer(),
+                       speculator_pb2_grpc.add_SpeculatorServicer_to_server,
+                       speculator_pb2.DESCRIPTOR.services_by_name["Speculator"].full_name,
+                       build, host, port, grace_s)

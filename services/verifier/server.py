@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.verifier.engine import PrefillSpec, VerifierEngine
-from specinfer.grpc_server import Service, abort_on_error
+from specinfer.grpc_server import abort_on_error, serve_engine
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 from specinfer.wire import sampling_from_proto, tree_from_proto
 
@@ -94,18 +94,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 async def serve(build, host: str, port: int, grace_s: float = 10.0) -> None:
-    """Start listening at once (health NOT_SERVING), build the engine with ``build()`` in
-    the worker thread, then report SERVING. Runs until SIGTERM/SIGINT."""
-    service = Service("verifier", host, port)
-    servicer = VerifierServicer()
-    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, service.server)
-    service.add(verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name)
-    await service.start()
-    servicer.engine = await asyncio.get_running_loop().run_in_executor(servicer.pool, build)
-    await service.set_serving()
-
-    async def close() -> None:
-        await asyncio.get_running_loop().run_in_executor(servicer.pool,
-                                                         servicer.engine.executor.close)
-
-    await service.run_until_signal(grace_s, on_stop=close)
+    await serve_engine("verifier", VerifierServicer(),
+                       verifier_pb2_grpc.add_VerifierServicer_to_server,
+                       verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
+                       build, host, port, grace_s, close=lambda e: e.executor.close())
