@@ -76,11 +76,10 @@ class Bench:
         self.engine = build_engine(args.llm, EngineConfig(max_context=2048, slots=4))
         self.llm = self.engine.executor.runtime.model
         self.refs = args.pool if args.pool is not None else default_pool(args.llm)
-        self.ssms = [load_ssm(r) for r in self.refs]
-        self.drafters = [SSMDrafter(m, i, slots=4, vocab_ids=v,
-                                    llm_vocab_size=self.engine.vocab_size)
-                         for i, (m, v) in enumerate(self.ssms)]
-        self.assistant = hf_assistant(self.llm, *self.ssms[0]) if self.ssms else None
+        self.drafters = [SSMDrafter.load(r, i, slots=4, llm_vocab_size=self.engine.vocab_size)
+                         for i, r in enumerate(self.refs)]
+        # transformers' assisted generation gets our best SSM in float32.
+        self.assistant = hf_assistant(self.llm, *load_ssm(self.refs[0])) if self.refs else None
         self.counter = iter(range(10**9))
 
     # --- single runs, each returning {tokens, elapsed, ttft, accepted} -----------------

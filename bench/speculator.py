@@ -21,7 +21,7 @@ from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
 from specinfer.data import mtbench_first_turns
-from specinfer.models import DEFAULT_LLM, default_pool, load_ssm, load_tokenizer
+from specinfer.models import DEFAULT_LLM, default_pool, load_tokenizer
 from specinfer.sampling import SamplingParams
 from specinfer.ssm import DraftRequest, SSMDrafter
 
@@ -99,11 +99,8 @@ def main() -> None:
     prompts = [chat_ids(tokenizer, p) for _, p in turns[::step][: args.prompts]]
     engine = build_engine(args.llm, EngineConfig(max_context=2048, slots=4))
     vocab = engine.vocab_size
-    drafters = []
-    for i, ref in enumerate(refs):
-        model, vocab_ids = load_ssm(ref)
-        drafters.append(SSMDrafter(model, i, slots=4, vocab_ids=vocab_ids,
-                                   llm_vocab_size=vocab))
+    drafters = [SSMDrafter.load(ref, i, slots=4, llm_vocab_size=vocab)
+                for i, ref in enumerate(refs)]
     greedy, stoch = SamplingParams(), SamplingParams(temperature=0.7, seed=0)
     default = SHAPES["paper-1,1,3,1,1,1,1,1"]
     configs = []

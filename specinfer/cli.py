@@ -48,6 +48,9 @@ def _add_speculator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssm", action="append", default=None,
                    help="an SSM (repeatable): a boost-tune output directory, a model, or "
                         "LLM#layers=N; default: the bundled pool if present")
+    p.add_argument("--ssm-dtype", choices=["fp16", "int8", "fp32"], default="fp16",
+                   help="SSM linears: fp16 (default; exact cache hits), int8 (fastest; "
+                        "drafts may vary with the batch at near-ties) or fp32")
     p.add_argument("--no-ngram", action="store_true", help="disable prompt-lookup drafts")
     p.add_argument("--expansion", default="1,1,3,1,1,1,1,1",
                    help="children per level of a static tree")
@@ -63,25 +66,21 @@ def build_speculator(args: argparse.Namespace):
     import torch
 
     from services.speculator.engine import SpeculatorEngine
-    from specinfer.models import default_pool, load_ssm
+    from specinfer.models import default_pool
     from specinfer.ssm import SSMDrafter
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from transformers import AutoConfig
+
+    from specinfer.models import materialize
+
     refs = args.ssm if args.ssm is not None else default_pool(args.llm)
-    pool, vocab = [], None
-    for source, ref in enumerate(refs):
-        model, vocab_ids = load_ssm(ref)
-        vocab = vocab or model.config.vocab_size
-        pool.append(SSMDrafter(model, source, slots=args.slots, max_context=args.max_context,
-                               max_tree_nodes=args.max_nodes, vocab_ids=vocab_ids,
-                               llm_vocab_size=model.config.vocab_size))
-    if vocab is None:
-        from transformers import AutoConfig
-
-        from specinfer.models import materialize
-
-        vocab = AutoConfig.from_pretrained(materialize(args.llm)).vocab_size
+    vocab = AutoConfig.from_pretrained(materialize(args.llm)).vocab_size
+    pool = [SSMDrafter.load(ref, source, dtype=args.ssm_dtype, llm_vocab_size=vocab,
+                            slots=args.slots, max_context=args.max_context,
+                            max_tree_nodes=args.max_nodes)
+            for source, ref in enumerate(refs)]
     expansion = [int(x) for x in args.expansion.split(",") if x.strip()]
     log.info("speculator ready", extra={"ssms": len(pool), "ngram": not args.no_ngram,
                                         "expansion": expansion})
@@ -195,14 +194,19 @@ def _add_boost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-size", type=int, default=d.pool_size)
     p.add_argument("--layers", type=int, default=d.layers, help="decoder layers per SSM")
     p.add_argument("--vocab", type=int, default=d.vocab, help="SSM head vocabulary size")
-    p.add_argument("--prompts", type=int, default=d.prompts, help="training prompts")
-    p.add_argument("--heldout", type=int, default=d.heldout)
+    p.add_argument("--prompts", type=int, default=d.prompts,
+                   help="training conversations to draw from")
+    p.add_argument("--heldout", type=int, default=d.heldout, help="held-out prompts")
+    p.add_argument("--distill-tokens", type=int, default=d.distill_tokens,
+                   help="assistant tokens whose LLM distributions are learned (0 = all)")
+    p.add_argument("--topk", type=int, default=d.topk, help="LLM probabilities kept per token")
+    p.add_argument("--max-seq", type=int, default=d.max_seq, help="tokens per conversation")
     p.add_argument("--new-tokens", type=int, default=d.new_tokens)
     p.add_argument("--gen-batch", type=int, default=d.gen_batch)
     p.add_argument("--epochs", type=float, default=d.epochs)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--max-minutes", type=float, default=0.0,
-                   help="stop generating data after this long (training uses what exists)")
+                   help="also generate on-policy training answers for this long (0 = none)")
 
 
 def boost(args: argparse.Namespace) -> int:
@@ -212,7 +216,8 @@ def boost(args: argparse.Namespace) -> int:
 
     cfg = BoostConfig(llm=args.llm, out=Path(args.out), pool_size=args.pool_size,
                       layers=args.layers, vocab=args.vocab, prompts=args.prompts,
-                      heldout=args.heldout, new_tokens=args.new_tokens,
+                      heldout=args.heldout, distill_tokens=args.distill_tokens,
+                      topk=args.topk, max_seq=args.max_seq, new_tokens=args.new_tokens,
                       gen_batch=args.gen_batch, epochs=args.epochs, lr=args.lr,
                       max_minutes=args.max_minutes)
     report = boost_tune(cfg)

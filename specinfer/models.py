@@ -193,3 +193,34 @@ def default_pool(llm: str) -> list[str]:
     if not root.is_dir():
         return []
     return [str(p) for p in sorted(root.glob("ssm-*")) if (p / SSM_MANIFEST).exists()]
+
+
+
+SSM_DTYPES = ("fp16", "int8", "fp32")
+
+
+def quantize_linears(model, dtype: str):
+    """Swap an SSM's linears for fbgemm's dynamic kernels. A draft step is memory-bound:
+    ``fp16`` halves the bytes read and its rows are computed independently (a tree does not
+    depend on what else is in the batch, so cache hits equal misses exactly); ``int8`` reads
+    a quarter and is fastest, but quantises each call's activations with one scale, so
+    drafts may differ at near-ties with the batch's composition; ``fp32`` keeps the model.
+    Drafts only propose: verification stays exact whatever the SSM computes in."""
+    import warnings
+
+    if dtype not in SSM_DTYPES:
+        raise ModelError(f"SSM dtype must be one of {', '.join(SSM_DTYPES)}, got {dtype!r}")
+    if dtype == "fp32":
+        return model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's migration notices
+        from torch.ao.quantization import (
+            float16_dynamic_qconfig,
+            per_channel_dynamic_qconfig,
+            quantize_dynamic,
+        )
+
+        qconfig = float16_dynamic_qconfig if dtype == "fp16" else per_channel_dynamic_qconfig
+        return quantize_dynamic(model, {torch.nn.Linear: qconfig},
+                                dtype=torch.float16 if dtype == "fp16" else torch.qint8,
+                                inplace=True)

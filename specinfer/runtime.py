@@ -104,7 +104,9 @@ class LlamaRuntime:
         self.vocab_size = cfg.vocab_size
         self.dtype = next(model.parameters()).dtype
         # Local KV heads (fewer under tensor parallel): read off the k projection's shape.
-        kv_heads = self.layers[0].self_attn.k_proj.weight.shape[0] // self.head_dim
+        k_weight = self.layers[0].self_attn.k_proj.weight
+        k_weight = k_weight() if callable(k_weight) else k_weight  # fbgemm modules: a method
+        kv_heads = k_weight.shape[0] // self.head_dim
         self.cache = KVCache(len(self.layers), slots, slot_len, kv_heads, self.head_dim,
                              self.dtype)
         linears = [m for layer in self.layers for m in layer.modules()

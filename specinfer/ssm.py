@@ -40,6 +40,18 @@ class DraftRequest:
 
 
 class SSMDrafter:
+    @classmethod
+    def load(cls, ref: str, source: int = 0, *, dtype: str = "fp16",
+             llm_vocab_size: int | None = None, **kwargs) -> SSMDrafter:
+        """An SSM from any reference ``load_ssm`` accepts, its linears in ``dtype`` (see
+        ``models.quantize_linears``)."""
+        from specinfer.models import load_ssm, quantize_linears
+
+        model, vocab_ids = load_ssm(ref)
+        quantize_linears(model, dtype)
+        return cls(model, source, vocab_ids=vocab_ids, llm_vocab_size=llm_vocab_size,
+                   **kwargs)
+
     def __init__(self, model, source: int = 0, slots: int = 16, max_context: int = 2048,
                  max_tree_nodes: int = 64, draft_top_k: int = 32, chunk: int = 256,
                  vocab_ids: torch.Tensor | None = None, llm_vocab_size: int | None = None,
@@ -53,6 +65,10 @@ class SSMDrafter:
         self.slots = slots
         self.vocab_ids = vocab_ids
         self.vocab_size = llm_vocab_size or model.config.vocab_size
+        self.column_of: torch.Tensor | None = None  # LLM token id -> head column
+        if vocab_ids is not None:
+            self.column_of = torch.full((self.vocab_size,), -1, dtype=torch.long)
+            self.column_of[vocab_ids] = torch.arange(len(vocab_ids))
         self.dynamic_beam, self.dynamic_top_k = dynamic_beam, dynamic_top_k
         self.dynamic_depth = dynamic_depth
         # sequence id -> (slot, tokens whose K/V the slot holds); LRU order.
@@ -75,18 +91,17 @@ class SSMDrafter:
 
     def _forward(self, tokens, positions, slots, offsets, visible,
                  rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Full-vocabulary logits of every query, or with ``rows`` ([B] query index) of one
-        query per row: the vocabulary head dominates a small model's cost."""
+        """Head logits (columns: ``vocab_ids`` when the SSM has a reduced vocabulary) of
+        every query, or with ``rows`` ([B] query index) of one query per row: the
+        vocabulary head dominates a small model's cost."""
         rt = self.runtime
         hidden = rt.layers_forward(rt.embed(tokens), positions, slots, offsets, visible)
         if rows is not None:
             hidden = hidden[torch.arange(hidden.shape[0]), rows][:, None]
-        logits = rt.logits(hidden)
-        if self.vocab_ids is None:
-            return logits
-        full = torch.full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        full[..., self.vocab_ids] = logits
-        return full
+        return rt.logits(hidden)
+
+    def _column(self, token: int) -> int:
+        return token if self.column_of is None else int(self.column_of[token])
 
     def _catch_up(self, slots: list[int], feeds: list[list[int]], starts: list[int]):
         """Feed each row's missing tokens (chunked); the logits after each row's last
@@ -173,11 +188,11 @@ class SSMDrafter:
                 before = len(trees[b])
                 expand_level(trees[b], frontier, probs, width, source=self.source,
                              sample=not req.params.greedy, replacement=True,
-                             generator=req.generator)
+                             generator=req.generator, token_ids=self.vocab_ids)
                 row = {u: i for i, u in enumerate(frontier)}
                 for node in range(before, len(trees[b])):
                     parent = trees[b].parents[node]
-                    p = float(probs[row[parent], trees[b].tokens[node]])
+                    p = float(probs[row[parent], self._column(trees[b].tokens[node])])
                     base = scores[b][parent] if parent != ROOT else 0.0
                     scores[b].append(base + math.log(max(p, 1e-30)))
                 new_nodes[b] = list(range(before, len(trees[b])))

@@ -170,6 +170,7 @@ def expand_level(
     sample: bool = False,
     replacement: bool = True,
     generator: torch.Generator | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> list[int]:
     """Give each frontier node ``width`` children drawn from its row of ``probs``
     (``[len(frontier), V]``, the drafter's next-token distribution); returns the new
@@ -180,21 +181,24 @@ def expand_level(
     *sampled*, i.i.d. (``replacement=True``) or without replacement, where each draft's ``q``
     is the renormalised remainder after the earlier draws at that node. ``probs`` must be
     the distribution to sample from (temperature / truncation applied); its exact support
-    is recorded.
+    is recorded. ``token_ids`` maps the columns of ``probs`` to token ids (a drafter with a
+    reduced vocabulary); by default column j is token j.
     """
     probs = probs.to(torch.float64)
+    ids_of = (lambda cols: cols) if token_ids is None else (
+        lambda cols: token_ids[torch.as_tensor(cols, dtype=torch.long)].tolist())
     next_frontier: list[int] = []
     for row, parent in enumerate(frontier):
         p = probs[row]
         if not sample:
-            top = torch.topk(p, min(width, p.numel())).indices.tolist()
+            top = ids_of(torch.topk(p, min(width, p.numel())).indices.tolist())
             for rank, tok in enumerate(top):
                 next_frontier.append(tree.add(parent, tok, [Draft.one_hot(source, rank, tok)]))
             continue
         # Work on the support only: drafts record it exactly, and a truncated draft
         # distribution keeps it small.
         ids = torch.nonzero(p > 0).squeeze(1)
-        q_ids, w = tuple(ids.tolist()), p[ids]
+        q_ids, w = tuple(ids_of(ids.tolist())), p[ids]
         w = w / w.sum()
         for rank in range(width):
             if not q_ids:

@@ -21,8 +21,9 @@ def test_prompts_exclude_mtbench(tmp_path):
 
 def test_boost_tuning_improves_the_pool_and_writes_loadable_ssms(tiny_chat_llm, tmp_path):
     cfg = BoostConfig(llm=tiny_chat_llm, out=tmp_path / "pool", pool_size=2, layers=1,
-                      vocab=512, prompts=64, heldout=16, new_tokens=24, gen_batch=16, chunk=32,
-                      epochs=6, train_batch=8, lr=3e-3)
+                      vocab=512, prompts=64, heldout=16, distill_tokens=4000, max_seq=128,
+                      new_tokens=24, gen_batch=16, chunk=16, epochs=4, train_batch=8, lr=3e-3,
+                      max_minutes=0.1)
     report = boost_tune(cfg)
     assert report["vocab"] > 20  # the LLM's answers are varied enough to learn from
     best = report["ssms"][-1]["pool_heldout_match"]

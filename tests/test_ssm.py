@@ -108,3 +108,51 @@ def test_stochastic_requests_ignore_dynamic_and_stay_valid(hf_model):
                                          torch.Generator().manual_seed(1), dynamic=True)])[0]
     assert all(len(d) >= 1 and d[0].q_ids for d in tree.drafts)
     assert max(tree.depths) == 2
+
+
+def test_reduced_vocabulary_drafts_stay_in_it_and_record_their_distribution(hf_model):
+    import copy
+
+    vocab = hf_model.config.vocab_size
+    vocab_ids = torch.arange(0, vocab, 3)
+    small = copy.deepcopy(hf_model)
+    small.lm_head = torch.nn.Linear(small.config.hidden_size, len(vocab_ids), bias=False)
+    small.lm_head.weight.data = hf_model.lm_head.weight[vocab_ids].clone()
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[vocab_ids] = False
+
+    def masked_logits(context):
+        with torch.no_grad():
+            return hf_model(torch.tensor([context])).logits[0, -1].masked_fill(outside, -math.inf)
+
+    drafter = SSMDrafter(small, slots=1, max_context=128, draft_top_k=16, vocab_ids=vocab_ids,
+                         llm_vocab_size=vocab)
+    ctx = [9, 8, 7, 6]
+    greedy = drafter.propose([DraftRequest("g", ctx, [2, 2])])[0]
+    ref = expand_tree(lambda paths: torch.stack([masked_logits(ctx + p).softmax(-1)
+                                                 for p in paths]), [2, 2])
+    assert greedy.tokens == ref.tokens and greedy.parents == ref.parents
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=1)
+    tree = drafter.propose([DraftRequest("s", ctx, [3, 2], params,
+                                         torch.Generator().manual_seed(0))])[0]
+    assert set(tree.tokens) <= set(vocab_ids.tolist())
+    for node in range(len(tree)):
+        parent = tree.parents[node]
+        path = tree.path_tokens(parent) if parent != ROOT else []
+        expected = target_probs(masked_logits(ctx + path),
+                                SamplingParams(0.8, top_k=16, top_p=0.9)).double()
+        for d in tree.drafts[node]:
+            assert torch.allclose(d.dense(vocab), expected, atol=1e-5)
+
+
+def test_fp16_drafter_hits_equal_misses(tiny_llama):
+    contexts = [[5, 6, 7, 8, 9], list(range(20, 45))]
+    warm = SSMDrafter.load(tiny_llama, slots=2, max_context=128)
+    assert "quantized" in type(warm.runtime.model.lm_head).__module__
+    warm.propose([DraftRequest(f"s{i}", c, [2, 2, 1]) for i, c in enumerate(contexts)])
+    grown = [c + [3, 4] for c in contexts]
+    hit = warm.propose([DraftRequest(f"s{i}", c, [2, 2, 1]) for i, c in enumerate(grown)])
+    cold = SSMDrafter.load(tiny_llama, slots=2, max_context=128)
+    miss = cold.propose([DraftRequest(f"s{i}", c, [2, 2, 1]) for i, c in enumerate(grown)])
+    for a, b in zip(hit, miss, strict=True):
+        assert a.tokens == b.tokens and a.parents == b.parents
