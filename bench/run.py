@@ -110,20 +110,25 @@ class Bench:
         res = generate_local(self.engine, [ids], self.args.new_tokens, trees=trees,
                              params=params)[0]
         return {"tokens": len(res.token_ids), "elapsed": res.elapsed_s, "ttft": res.ttft_s,
-                "accepted": sum(res.accepted_per_step) / max(1, res.steps)}
+                "accepted": sum(res.accepted_per_step) / max(1, res.steps),
+                "draft_s": res.draft_s, "verify_s": res.verify_s}
 
     def stack(self, client, ids, params, spec):
         prompt = self.tok.decode(ids)
         t = time.perf_counter()
-        ttft, n = None, 0
+        ttft, n, stats = None, 0, None
         for ch in client.stream(prompt, max_tokens=self.args.new_tokens,
                                 temperature=params.temperature, seed=params.seed,
                                 speculation=spec):
             if ttft is None and ch.token_ids:
                 ttft = time.perf_counter() - t
             n += len(ch.token_ids)
-        return {"tokens": n, "elapsed": time.perf_counter() - t, "ttft": ttft,
-                "accepted": None}
+            stats = ch.stats or stats
+        out = {"tokens": n, "elapsed": time.perf_counter() - t, "ttft": ttft}
+        if stats is not None:
+            out.update(accepted=sum(stats.accepted_per_step) / max(1, stats.steps),
+                       draft_s=stats.speculate_s, verify_s=stats.verify_s)
+        return out
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -133,6 +138,15 @@ def summarize(runs: list[dict]) -> dict:
     acc = [r["accepted"] for r in runs if r.get("accepted") is not None]
     if acc:
         out["accepted_per_step"] = statistics.mean(acc)
+    if all("draft_s" in r for r in runs):
+        # Where a request's time goes: drafting (for the stack: waiting on the speculator,
+        # RPC included), verification (likewise), and the rest (prefill, scheduling,
+        # streaming, RPC).
+        total = sum(r["elapsed"] for r in runs)
+        draft = sum(r["draft_s"] for r in runs) / total
+        verify = sum(r["verify_s"] for r in runs) / total
+        out["time_share"] = {"speculation": draft, "verification": verify,
+                             "other": max(0.0, 1 - draft - verify)}
     ttft = [r["ttft"] for r in runs if r.get("ttft") is not None]
     if ttft:
         out["ttft_s"] = statistics.median(ttft)
@@ -288,13 +302,17 @@ def write_report(results: dict, out: Path) -> None:
              f"Machine: {results['machine']}", ""]
     for mode, data in results["latency"].items():
         lines += [f"## Batch 1, {mode}", "", "| system | tok/s (median) | spread | speedup | "
-                  "accepted/step | TTFT s | TPOT ms |", "|---|---|---|---|---|---|---|"]
+                  "accepted/step | TTFT s | TPOT ms | time: speculation / verification / "
+                  "other |", "|---|---|---|---|---|---|---|---|"]
         for k, s in data["systems"].items():
+            share = s.get("time_share")
+            share = " / ".join(f"{share[x]:.0%}" for x in ("speculation", "verification",
+                                                          "other")) if share else "–"
             lines.append(f"| {k} | {s['tokens_per_s']:.1f} | {s['spread'][0]:.1f}–"
                          f"{s['spread'][1]:.1f} | {s['speedup']:.2f}× | "
                          f"{s.get('accepted_per_step', float('nan')):.2f} | "
                          f"{s.get('ttft_s', float('nan')):.2f} | "
-                         f"{s.get('tpot_ms', float('nan')):.0f} |")
+                         f"{s.get('tpot_ms', float('nan')):.0f} | {share} |")
         lines.append("")
         fig, ax = plt.subplots(figsize=(8, 4))
         names = list(data["systems"])

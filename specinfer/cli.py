@@ -104,8 +104,11 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI API port (0 = off)")
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests at most")
-    p.add_argument("--spec-max-batch", type=int, default=4,
-                   help="above this many live sequences, decode without speculation")
+    p.add_argument("--spec-max-batch", type=int, default=8,
+                   help="above this many live sequences, decode without speculation (below, "
+                        "the router measures whether speculating pays)")
+    p.add_argument("--speculation", choices=["adaptive", "always"], default="adaptive",
+                   help="adaptive: speculate only while it measures faster than plain steps")
 
 
 def serve_router(args: argparse.Namespace) -> int:
@@ -127,6 +130,8 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--expansion", default=None, help="the speculator's static tree")
+    p.add_argument("--speculation", choices=["adaptive", "always"], default="adaptive")
 
 
 def up(args: argparse.Namespace) -> int:
@@ -171,6 +176,9 @@ def generate(args: argparse.Namespace) -> int:
                 print(json.dumps({"text": out.text, "token_ids": out.token_ids,
                                   "finish_reason": out.finish_reason, "steps": out.steps,
                                   "accepted_per_step": out.accepted_per_step,
+                                  "speculative_steps": out.stats.speculative_steps,
+                                  "speculate_s": round(out.stats.speculate_s, 4),
+                                  "verify_s": round(out.stats.verify_s, 4),
                                   "prompt_tokens": out.prompt_tokens,
                                   "elapsed_s": round(elapsed, 4),
                                   "tokens_per_s": round(len(out.token_ids) / elapsed, 2),

@@ -59,6 +59,23 @@ def _typed(exc: grpc.RpcError) -> SpecInferError:
 
 
 @dataclass
+class Stats:
+    """Speculation statistics of one request (see ``SpeculationStats`` in common.proto)."""
+
+    steps: int
+    accepted_per_step: list[int]
+    speculative_steps: int
+    drafted_tokens: int
+    speculate_s: float  # router-side wall time waiting on the speculator
+    verify_s: float  # ... and on the verifier
+
+    @classmethod
+    def of(cls, msg) -> Stats:
+        return cls(msg.steps, list(msg.accepted_per_step), msg.speculative_steps,
+                   msg.drafted_tokens, msg.speculate_seconds, msg.verify_seconds)
+
+
+@dataclass
 class Completion:
     text: str
     token_ids: list[int]
@@ -68,6 +85,7 @@ class Completion:
     steps: int
     accepted_per_step: list[int] = field(default_factory=list)
     dtype: str = ""
+    stats: Stats | None = None
 
 
 @dataclass
@@ -75,6 +93,12 @@ class Chunk:
     text: str
     token_ids: list[int]
     finish_reason: str = ""
+    stats: Stats | None = None  # on the last chunk
+
+
+def _chunk(msg) -> Chunk:
+    return Chunk(msg.text, list(msg.token_ids), msg.finish_reason,
+                 Stats.of(msg.stats) if msg.finish_reason else None)
 
 
 def build_request(prompt: str | None = None, *, messages: list[dict] | None = None,
@@ -104,7 +128,7 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
 def _completion(resp: router_pb2.GenerateResponse) -> Completion:
     return Completion(resp.text, list(resp.token_ids), resp.finish_reason,
                       resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.stats.steps,
-                      list(resp.stats.accepted_per_step), resp.dtype)
+                      list(resp.stats.accepted_per_step), resp.dtype, Stats.of(resp.stats))
 
 
 class Client:
@@ -133,7 +157,7 @@ class Client:
         try:
             for msg in self.stub.GenerateStream(req, timeout=timeout or self.timeout,
                                                 metadata=metadata or self.metadata):
-                yield Chunk(msg.text, list(msg.token_ids), msg.finish_reason)
+                yield _chunk(msg)
         except grpc.RpcError as exc:
             raise _typed(exc) from None
 
@@ -173,7 +197,7 @@ class AsyncClient:
         try:
             async for msg in self.stub.GenerateStream(req, timeout=timeout or self.timeout,
                                                       metadata=metadata or self.metadata):
-                yield Chunk(msg.text, list(msg.token_ids), msg.finish_reason)
+                yield _chunk(msg)
         except grpc.aio.AioRpcError as exc:
             raise _typed(exc) from None
 

@@ -69,10 +69,13 @@ def run_stack(args) -> int:
                      "--max-context", str(args.max_context), "--threads", str(threads)]
         for ref in args.ssm or []:
             cmd += ["--ssm", ref]
+        if args.expansion:
+            cmd += ["--expansion", args.expansion]
         procs.append(subprocess.Popen(cmd))
     router = f"{args.host}:{args.port}"
     cmd = exe + ["serve", "router", "--llm", args.llm, "--host", args.host, "--port",
-                 str(args.port), "--http-port", str(args.http_port)]
+                 str(args.port), "--http-port", str(args.http_port),
+                 "--speculation", args.speculation]
     for v in verifiers:
         cmd += ["--verifier", v]
     for s in speculators:

@@ -39,7 +39,7 @@ def stack(tiny_chat_llm):
     port, http_port = free_port(), free_port()
     cmd = exe + ["router", "--llm", tiny_chat_llm, "--port", str(port), "--http-port",
                  str(http_port), "--speculator", f"127.0.0.1:{spec_port}",
-                 "--spec-max-batch", "64"]
+                 "--spec-max-batch", "64", "--speculation", "always"]
     for v in verifiers:
         cmd += ["--verifier", v]
     router = subprocess.Popen(cmd, env=env)

@@ -49,6 +49,9 @@ class GenRequest:
     generated: list[int] = field(default_factory=list)
     accepted_per_step: list[int] = field(default_factory=list)
     drafted: int = 0
+    speculative_steps: int = 0
+    speculate_s: float = 0.0  # wall time of the Speculate calls it took part in
+    verify_s: float = 0.0  # ... and of its Verify/Decode calls
     reused_tokens: int = 0
     finish_reason: str = ""
     error: Exception | None = None
@@ -76,12 +79,53 @@ class Replica:
     max_context: int = 2048
 
 
+class SpeculationPolicy:
+    """Decides, step by step, whether speculating pays at the current batch size.
+
+    Speculation trades extra work (drafting, a wider verification) for more tokens per LLM
+    step; whether that wins depends on the batch, the SSMs' acceptance on this traffic and
+    the hardware. So it is measured, not assumed: a running mean of output tokens per
+    second for speculative and for plain steps, per batch-size bucket (1, 2, 3-4, 5-8, ...)
+    and per kind of batch (all greedy or not), and each step takes the faster mode. One
+    step in ``explore_every`` takes the other mode, so an estimate that went stale
+    (different prompts, a colder cache) is corrected."""
+
+    def __init__(self, explore_every: int = 16, smoothing: float = 0.25) -> None:
+        self.explore_every = explore_every
+        self.smoothing = smoothing
+        self.rate: dict[tuple[int, bool, bool], float] = {}
+        self.steps: dict[tuple[int, bool], int] = {}
+
+    @staticmethod
+    def _key(batch: int, greedy: bool) -> tuple[int, bool]:
+        return 1 << max(0, batch - 1).bit_length(), greedy
+
+    def speculate(self, batch: int, greedy: bool) -> bool:
+        key = self._key(batch, greedy)
+        n = self.steps[key] = self.steps.get(key, 0) + 1
+        on, off = self.rate.get((*key, True)), self.rate.get((*key, False))
+        if on is None or off is None:  # measure both modes first, speculation first
+            return on is None
+        best = on >= off
+        return (not best) if n % self.explore_every == 0 else best
+
+    def record(self, batch: int, greedy: bool, speculated: bool, tokens: int,
+               seconds: float) -> None:
+        if seconds <= 0:
+            return
+        key = (*self._key(batch, greedy), speculated)
+        rate = tokens / seconds
+        old = self.rate.get(key)
+        self.rate[key] = rate if old is None else old + self.smoothing * (rate - old)
+
+
 class Scheduler:
     def __init__(self, verifiers: list[str], speculators: list[str], *, eos_ids: list[int],
                  max_waiting: int = 64, spec_max_batch: int = 4,
                  expansion: list[int] | None = None, max_nodes: int = 0,
                  step_timeout_s: float = 60.0, speculate_timeout_s: float = 10.0,
-                 prefill_token_budget: int = 4096, detokenize=None) -> None:
+                 prefill_token_budget: int = 4096, detokenize=None,
+                 adaptive: bool = True) -> None:
         self.replicas = [self._replica(a) for a in verifiers]
         self.spec_channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
                               for a in speculators]
@@ -90,6 +134,7 @@ class Scheduler:
         self.eos_ids = set(eos_ids)
         self.max_waiting = max_waiting
         self.spec_max_batch = spec_max_batch
+        self.policy = SpeculationPolicy() if adaptive else None
         self.expansion = expansion or []
         self.max_nodes = max_nodes
         self.step_timeout_s = step_timeout_s
@@ -284,20 +329,31 @@ class Scheduler:
         return {}
 
     async def _step(self) -> None:
+        started = time.monotonic()
         batch = list(self.running)
+        emitted = sum(len(r.generated) for r in batch)
+        greedy = all(r.params.greedy for r in batch)
         speculate = [r for r in batch if r.speculation
                      and r.replica.max_context - len(r.history) > 2]
         # Adaptive speculation: a larger batch amortises the LLM's weights over more
-        # sequences, so each sequence gets a smaller tree, and none past spec_max_batch.
-        if len(batch) > self.spec_max_batch:
+        # sequences, so each sequence gets a smaller tree, none past spec_max_batch, and
+        # none when the policy measured plain steps to be faster at this batch size.
+        if len(batch) > self.spec_max_batch or not self.spec_clients \
+                or speculate and self.policy and not self.policy.speculate(len(batch), greedy):
             speculate = []
         budget = max(4, 64 // max(1, len(speculate)))
-        trees = await self._speculate(speculate, budget) if speculate and self.spec_clients \
-            else {}
+        trees = await self._speculate(speculate, budget) if speculate else {}
+        for r in speculate:
+            r.speculate_s += time.monotonic() - started
         by_replica: dict[str, list[GenRequest]] = {}
         for r in batch:
             by_replica.setdefault(r.replica.address, []).append(r)
         await asyncio.gather(*(self._verify(reqs, trees) for reqs in by_replica.values()))
+        if self.policy and len(batch) <= self.spec_max_batch \
+                and any(r.speculation for r in batch):
+            self.policy.record(len(batch), greedy, bool(trees),
+                               sum(len(r.generated) for r in batch) - emitted,
+                               time.monotonic() - started)
 
     async def _verify(self, reqs: list[GenRequest], trees: dict) -> None:
         replica = reqs[0].replica
@@ -313,6 +369,7 @@ class Scheduler:
             calls.append(replica.rpc.Decode(verifier_pb2.DecodeRequest(items=[
                 verifier_pb2.DecodeItem(sequence_id=r.id, root_token=r.generated[-1])
                 for r in plain]), timeout=self._timeout(plain)))
+        started = time.monotonic()
         try:
             results = await asyncio.gather(*calls)
         except grpc.aio.AioRpcError as exc:
@@ -347,6 +404,9 @@ class Scheduler:
                                                              strict=True)]
             for r in with_tree:
                 r.drafted += len(trees[r.id].tokens)
+                r.speculative_steps += 1
+        for r in reqs:
+            r.verify_s += time.monotonic() - started
         if plain:
             outs += [(r, [res.token]) for r, res in zip(plain, results[-1].results,
                                                         strict=True)]

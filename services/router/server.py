@@ -120,7 +120,10 @@ class Generation:
     def stats(self) -> common_pb2.SpeculationStats:
         return common_pb2.SpeculationStats(steps=len(self.req.accepted_per_step),
                                            accepted_per_step=self.req.accepted_per_step,
-                                           drafted_tokens=self.req.drafted)
+                                           drafted_tokens=self.req.drafted,
+                                           speculate_seconds=self.req.speculate_s,
+                                           verify_seconds=self.req.verify_s,
+                                           speculative_steps=self.req.speculative_steps)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -194,6 +197,7 @@ async def serve(args, host: str, port: int, http_port: int, grace_s: float = 10.
                           eos_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
                           else [],
                           max_waiting=args.max_waiting, spec_max_batch=args.spec_max_batch,
+                          adaptive=args.speculation == "adaptive",
                           detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     info = await _retry(scheduler.start)
     frontend = Frontend(tokenizer, args.model_name or args.llm, info["vocab_size"],

@@ -25,6 +25,8 @@ class LocalResult:
     accepted_per_step: list[int] = field(default_factory=list)
     elapsed_s: float = 0.0
     ttft_s: float = 0.0
+    draft_s: float = 0.0  # time in the tree source (the batch's, shared)
+    verify_s: float = 0.0  # time in the engine's decode/verify steps
 
     @property
     def steps(self) -> int:
@@ -53,14 +55,20 @@ def generate_local(
     live = [sid for sid in ids if first[ids.index(sid)].token not in stop and max_new_tokens > 1]
     try:
         while live:
+            t0 = time.perf_counter()
             if trees is None:
+                t1 = t0
                 out = engine.decode([(sid, history[sid][-1]) for sid in live])
             else:
                 drafted = trees([history[sid] for sid in live])
+                t1 = time.perf_counter()
                 out = engine.verify([(sid, history[sid][-1], t)
                                      for sid, t in zip(live, drafted, strict=True)])
+            t2 = time.perf_counter()
             for r in out:
                 res = results[r.sequence_id]
+                res.draft_s += t1 - t0
+                res.verify_s += t2 - t1
                 new = r.tokens[: max_new_tokens - len(res.token_ids)]
                 for k, tok in enumerate(new):
                     if tok in stop:

@@ -55,14 +55,20 @@ class TokenTree(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[_Union[NodeDrafts, _Mapping]]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("steps", "accepted_per_step", "drafted_tokens")
+    __slots__ = ("steps", "accepted_per_step", "drafted_tokens", "speculate_seconds", "verify_seconds", "speculative_steps")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_STEPS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     accepted_per_step: _containers.RepeatedScalarFieldContainer[int]
     drafted_tokens: int
-    def __init__(self, steps: _Optional[int] = ..., accepted_per_step: _Optional[_Iterable[int]] = ..., drafted_tokens: _Optional[int] = ...) -> None: ...
+    speculate_seconds: float
+    verify_seconds: float
+    speculative_steps: int
+    def __init__(self, steps: _Optional[int] = ..., accepted_per_step: _Optional[_Iterable[int]] = ..., drafted_tokens: _Optional[int] = ..., speculate_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., speculative_steps: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
