@@ -20,8 +20,9 @@ Stages, each saved under ``--out`` and skipped when already done:
                far misses the LLM's top-1 and ``--matched-weight`` on the rest.
 6. report    — per-SSM and pool top-1 match rates on the held-out LLM answers.
 
-Each SSM is written as ``ssm-k/`` (``ssm.json`` + ``ssm.safetensors``, float16: only its
-layers, norm, head and vocabulary; the token embedding is the base LLM's).
+Each SSM is written as ``ssm-k/`` (``ssm.json`` + ``ssm.safetensors``: only its layers, norm,
+head and vocabulary, matrices as int8 with a float16 scale per row; the token embedding is
+the base LLM's).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specinfer.models import SSM_MANIFEST, _truncate, load_model, load_tokenizer
+from specinfer.models import SSM_MANIFEST, _truncate, load_model, load_tokenizer, pack_int8
 
 log = logging.getLogger(__name__)
 
@@ -297,8 +298,10 @@ def init_ssm(llm_ref: str, layers: int, vocab_ids: torch.Tensor):
 
 
 def ssm_state(model, vocab_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The SSM's own weights: matrices int8 with per-row scales, vectors float16."""
     state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()
              if not k.startswith("model.embed_tokens")}
+    state = pack_int8(state)
     state["vocab_ids"] = vocab_ids.to(torch.int32)
     return state
 

@@ -165,7 +165,7 @@ def load_ssm(ref: str, dtype: torch.dtype = torch.float32):
         return load_model(ref, dtype), None
     spec = json.loads(manifest.read_text())
     model = _truncate(load_model(spec["base"], dtype), int(spec["layers"]))
-    state = load_file(str(path / spec["weights"]))
+    state = unpack_int8(load_file(str(path / spec["weights"])))
     vocab_ids = None
     if spec.get("vocab_size"):
         vocab_ids = state.pop("vocab_ids").long()
@@ -177,6 +177,33 @@ def load_ssm(ref: str, dtype: torch.dtype = torch.float32):
         raise ModelError(f"SSM {ref!r} has unexpected weights: {unexpected[:3]}")
     model.eval().requires_grad_(False)
     return model, vocab_ids
+
+
+INT8_SCALE = ".int8_scale"
+
+
+def pack_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Matrices as int8 with one float16 scale per row (symmetric): a quarter of float32
+    on disk, for SSM weights, which only draft (verification stays exact)."""
+    out = {}
+    for name, t in state.items():
+        if t.dim() == 2 and t.is_floating_point():
+            scale = (t.float().abs().amax(1, keepdim=True) / 127).clamp_min(1e-12)
+            out[name] = torch.round(t.float() / scale).to(torch.int8)
+            out[name + INT8_SCALE] = scale.to(torch.float16)
+        else:
+            out[name] = t
+    return out
+
+
+def unpack_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in state.items():
+        if name.endswith(INT8_SCALE):
+            continue
+        scale = state.get(name + INT8_SCALE)
+        out[name] = t if scale is None else t.float() * scale.float()
+    return out
 
 
 def _truncate(model, layers: int):

@@ -106,6 +106,25 @@ def test_openai_client_plain_and_streaming(stack, reference):
     assert chunks[-1].usage.completion_tokens == 12
 
 
+def test_openai_n_choices_are_seeded_and_stream_interleaved(stack):
+    import openai
+
+    client = openai.OpenAI(base_url=stack["http"] + "/v1", api_key="unused")
+    kw = dict(model=client.models.list().data[0].id, prompt=PROMPTS[2], max_tokens=10,
+              temperature=1.0, seed=11, n=3)
+    out = client.completions.create(**kw)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.completion_tokens == 30
+    texts = [c.text for c in out.choices]
+    assert len(set(texts)) > 1  # seeds 11, 12, 13: different samples
+    assert [c.text for c in client.completions.create(**kw).choices] == texts
+    streamed = ["", "", ""]
+    for ch in client.completions.create(**kw, stream=True):
+        for c in ch.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts
+
+
 def test_sixteen_concurrent_streams(stack, reference):
     async def one(client, prompt):
         ids = []
@@ -138,6 +157,7 @@ def http_post(url: str, data: bytes) -> tuple[int, dict]:
     (b'{"prompt": "hi", "top_p": 0}', "top_p"),
     (b'{"prompt": "hi", "top_p": 1.5}', "top_p"),
     (b'{"prompt": "hi", "model": "gpt-7"}', "model"),
+    (b'{"prompt": "hi", "n": 9}', "n"),
     (b'{"prompt": "hi", ', "body"),
     (b'{"prompt": "\xff\xfe"}', "body"),
     (b'{"prompt": "' + b"word " * 600 + b'"}', "prompt"),

@@ -5,6 +5,7 @@ usage chunk, then ``[DONE]``), with OpenAI-shaped errors."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -34,9 +35,17 @@ def _number(body: dict, name: str, default, kind=float):
     return kind(value)
 
 
+MAX_CHOICES = 8
+
+
+def _choices(body: dict) -> int:
+    n = _number(body, "n", 1, int)
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidArgument("n", f"must be an integer in 1..{MAX_CHOICES}")
+    return n
+
+
 def _params(body: dict) -> SamplingParams:
-    if _number(body, "n", 1, int) != 1:
-        raise InvalidArgument("n", "only n = 1 is supported")
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
         raise InvalidArgument("logprobs", "log probabilities are not supported yet")
     temperature = _number(body, "temperature", 1.0)
@@ -88,7 +97,21 @@ class OpenAIApi:
                                   f"{self.fe.model_name!r}")
         return body
 
-    def _request(self, body: dict, ids: list[int], default_max: int | None) -> GenRequest:
+    def _requests(self, body: dict, ids: list[int],
+                  default_max: int | None) -> list[GenRequest]:
+        """One scheduler request per choice (``n``); seeded choices get seeds seed, seed+1,
+        ... so that each is reproducible and they differ."""
+        n = _choices(body)
+        params = _params(body)
+        out = []
+        for i in range(n):
+            p = params if params.seed is None else dataclasses.replace(params,
+                                                                        seed=params.seed + i)
+            out.append(self._request(body, ids, default_max, p))
+        return out
+
+    def _request(self, body: dict, ids: list[int], default_max: int | None,
+                 params: SamplingParams) -> GenRequest:
         if not ids:
             raise InvalidArgument("prompt", "must not be empty")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
@@ -98,7 +121,7 @@ class OpenAIApi:
                 or not 0 < max_tokens <= MAX_TOKENS_LIMIT:
             raise InvalidArgument("max_tokens", f"must be an integer in 1..{MAX_TOKENS_LIMIT}")
         spec = body.get("speculation", True)
-        return GenRequest(ids, max_tokens, _params(body), speculation=bool(spec),
+        return GenRequest(ids, max_tokens, params, speculation=bool(spec),
                           stop=_stop(body), session_id=str(body.get("user") or ""))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -114,10 +137,10 @@ class OpenAIApi:
                 ids = prompt
             else:
                 raise InvalidArgument("prompt", "must be a string or a list of token ids")
-            req = self._request(body, ids, 16)
+            reqs = self._requests(body, ids, 16)
         except ServiceError as exc:
             return _error(exc.http_status, str(exc), getattr(exc, "field", None))
-        return await self._run(request, body, req, chat=False)
+        return await self._run(request, body, reqs, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -127,78 +150,127 @@ class OpenAIApi:
                 raise InvalidArgument("messages", "must be a non-empty list")
             if not all(isinstance(m, dict) for m in messages):
                 raise InvalidArgument("messages", "each message must be an object")
-            req = self._request(body, self.fe.encode_chat(messages), None)
+            reqs = self._requests(body, self.fe.encode_chat(messages), None)
         except ServiceError as exc:
             return _error(exc.http_status, str(exc), getattr(exc, "field", None))
-        return await self._run(request, body, req, chat=True)
+        return await self._run(request, body, reqs, chat=True)
 
-    async def _run(self, request: web.Request, body: dict, req: GenRequest,
+    async def _run(self, request: web.Request, body: dict, reqs: list[GenRequest],
                    chat: bool) -> web.StreamResponse:
+        submitted: list[GenRequest] = []
         try:
-            self.scheduler.submit(req)
+            for req in reqs:
+                self.scheduler.submit(req)
+                submitted.append(req)
         except ServiceError as exc:
+            for req in submitted:
+                self.scheduler.cancel(req)
             return _error(exc.http_status, str(exc), getattr(exc, "field", None),
                           "rate_limit_error" if exc.http_status == 429 else
                           "invalid_request_error")
-        gen = Generation(req, self.fe)
+        gens = [Generation(req, self.fe) for req in reqs]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        if not body.get("stream"):
-            try:
-                async for _ in gen.deltas():
-                    pass
-            except asyncio.CancelledError:
+        try:
+            if not body.get("stream"):
+                return await self._whole(gens, rid, created, chat)
+            return await self._stream(request, gens, rid, created, chat)
+        except (asyncio.CancelledError, ConnectionResetError):
+            for req in reqs:  # the client went away
                 self.scheduler.cancel(req)
-                raise
-            except Exception as exc:
-                return _error(500, f"generation failed: {exc}", kind="server_error")
-            choice = {"index": 0, "finish_reason": req.finish_reason, "logprobs": None}
+            raise
+
+    async def _whole(self, gens: list[Generation], rid: str, created: int,
+                     chat: bool) -> web.Response:
+        async def drain(gen: Generation) -> None:
+            async for _ in gen.deltas():
+                pass
+
+        try:
+            await asyncio.gather(*(drain(g) for g in gens))
+        except ServiceError as exc:
+            return _error(exc.http_status, str(exc), getattr(exc, "field", None),
+                          "server_error")
+        except Exception as exc:
+            return _error(500, f"generation failed: {exc}", kind="server_error")
+        choices = []
+        for i, gen in enumerate(gens):
+            choice = {"index": i, "finish_reason": gen.req.finish_reason, "logprobs": None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": gen.sent_text}
             else:
                 choice["text"] = gen.sent_text
-            return web.json_response({"id": rid, "object": obj, "created": created,
-                                      "model": self.fe.model_name, "choices": [choice],
-                                      "usage": self._usage(gen)})
+            choices.append(choice)
+        return web.json_response({"id": rid, "created": created, "model": self.fe.model_name,
+                                  "object": "chat.completion" if chat else "text_completion",
+                                  "choices": choices, "usage": self._usage(gens)})
+
+    async def _stream(self, request: web.Request, gens: list[Generation], rid: str,
+                      created: int, chat: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        obj = "chat.completion.chunk" if chat else "text_completion"
 
         async def send(choices, usage=None) -> None:
-            data = {"id": rid, "object": chunk_obj, "created": created,
+            data = {"id": rid, "object": obj, "created": created,
                     "model": self.fe.model_name, "choices": choices}
             if usage is not None:
                 data["usage"] = usage
             await resp.write(f"data: {json.dumps(data)}\n\n".encode())
 
-        try:
+        def choice(i: int, text: str, finish: str | None, role: bool = False) -> dict:
             if chat:
-                await send([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                             "finish_reason": None}])
-            async for _, delta in gen.deltas():
-                if delta:
-                    part = {"content": delta} if chat else None
-                    await send([{"index": 0, "finish_reason": None, "logprobs": None,
-                                 **({"delta": part} if chat else {"text": delta})}])
-            final = {"index": 0, "finish_reason": req.finish_reason, "logprobs": None,
-                     **({"delta": {}} if chat else {"text": ""})}
-            await send([final])
-            await send([], usage=self._usage(gen))
+                delta = {"role": "assistant", "content": text} if role else \
+                    ({"content": text} if finish is None else {})
+                return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+
+        # Every choice's deltas through one queue, so n choices stream interleaved.
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, gen: Generation) -> None:
+            try:
+                async for _, delta in gen.deltas():
+                    if delta:
+                        await queue.put((i, delta, None))
+                await queue.put((i, "", gen.req.finish_reason))
+            except Exception as exc:  # surfaced to the client as an error event
+                await queue.put((i, None, exc))
+
+        if chat:
+            await send([choice(i, "", None, role=True) for i in range(len(gens))])
+        pumps = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            open_choices = len(gens)
+            while open_choices:
+                i, delta, end = await queue.get()
+                if delta is None:  # OpenAI streams a failure as an error event
+                    error = {"message": f"generation failed: {end}", "type": "server_error",
+                             "param": None, "code": None}
+                    await resp.write(f"data: {json.dumps({'error': error})}\n\n".encode())
+                    break
+                if end is None:
+                    await send([choice(i, delta, None)])
+                else:
+                    await send([choice(i, "", end)])
+                    open_choices -= 1
+            else:
+                await send([], usage=self._usage(gens))
             await resp.write(b"data: [DONE]\n\n")
-        except (asyncio.CancelledError, ConnectionResetError):
-            self.scheduler.cancel(req)  # the client went away
-            raise
+        finally:
+            for t in pumps:
+                t.cancel()
         return resp
 
     @staticmethod
-    def _usage(gen: Generation) -> dict:
-        req = gen.req
-        return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.generated),
-                "total_tokens": len(req.prompt_ids) + len(req.generated),
-                "speculation": {"steps": len(req.accepted_per_step),
-                                "accepted_per_step": req.accepted_per_step}}
+    def _usage(gens: list[Generation]) -> dict:
+        prompt = len(gens[0].req.prompt_ids)
+        completion = sum(len(g.req.generated) for g in gens)
+        steps = [s for g in gens for s in g.req.accepted_per_step]
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "speculation": {"steps": len(steps), "accepted_per_step": steps}}
 
 
 async def start_http(scheduler: Scheduler, fe: Frontend, host: str,
