@@ -40,7 +40,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specinfer.models import SSM_MANIFEST, _truncate, load_model, load_tokenizer, pack_int8
+from specinfer.models import (
+    SSM_MANIFEST,
+    _truncate,
+    load_model,
+    load_ssm,
+    load_tokenizer,
+    pack_int8,
+)
 
 log = logging.getLogger(__name__)
 
@@ -463,17 +470,14 @@ def boost_tune(cfg: BoostConfig) -> dict:
     pool_held_hit = [torch.zeros(len(e["pos"]), dtype=torch.bool) for e in held]
     for k in range(1, cfg.pool_size + 1):
         path = cfg.out / f"ssm-{k}"
-        if (path / SSM_MANIFEST).exists():
-            from specinfer.models import load_ssm
-
-            model, _ = load_ssm(str(path))
-        else:
+        if not (path / SSM_MANIFEST).exists():
             model = init_ssm(cfg.llm, cfg.layers, vocab_ids)
             weights = None if k == 1 else [
                 torch.where(hit, torch.tensor(cfg.matched_weight), torch.tensor(1.0))
                 for hit in pool_train_hit]
             train_ssm(model, train, weights, vocab_ids, cfg, desc=f"SSM {k}/{cfg.pool_size}")
             save_ssm(model, vocab_ids, cfg, path, {"pool_index": k})
+        model, _ = load_ssm(str(path))  # measure what was written (int8 weights)
         held_pred = predict_top1(model, held, vocab_ids)
         alone = match_rate(held_pred, held)
         for i, (p, e) in enumerate(zip(held_pred, held, strict=True)):
