@@ -6,9 +6,11 @@ Writes bench/results/<date>/{results.json, report.md, *.png} and prints a summar
    --per-category each), greedy and T=0.7:
    transformers generate (plain), transformers assisted generation (our best SSM as
    assistant_model) and prompt lookup; specinfer engine-only with speculation off / on
-   (paper tree, chain, dynamic), and the full gRPC stack off / on. Runs are interleaved
-   (A B A B ...) per prompt so drift cancels; figures are medians over prompts with their
-   spread, plus mean accepted tokens per step, TTFT and time per output token.
+   (the default tree; without --quick also a chain, the paper's tree and a dynamic tree),
+   and the full gRPC stack off / on (adaptive). Runs are interleaved (A B A B ...) per
+   prompt so drift cancels; figures are medians over prompts with their spread, plus mean
+   accepted tokens per step, TTFT, time per output token, and where the time goes
+   (speculation / verification / the rest).
 2. Throughput under load through the stack: N concurrent streams, speculation on vs off.
 3. Tree-shape sweep (engine-only): accepted tokens and tokens/s per shape.
 
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from services.speculator.engine import SpeculateSpec, SpeculatorEngine
+from services.speculator.engine import DEFAULT_EXPANSION, SpeculateSpec, SpeculatorEngine
 from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
@@ -43,7 +45,8 @@ from specinfer.ssm import SSMDrafter
 
 GREEDY, STOCH = SamplingParams(), SamplingParams(temperature=0.7, seed=0)
 PAPER = [1, 1, 3, 1, 1, 1, 1, 1]
-SHAPES = {"chain-4": [1] * 4, "chain-8": [1] * 8, "paper": PAPER, "w2-d6": [2, 1, 1, 1, 1, 1],
+SHAPES = {"chain-3": [1] * 3, "chain-4": [1] * 4, "chain-6": [1] * 6, "paper": PAPER,
+          "w2-d4": [2, 1, 1, 1], "w3-d4": [3, 2, 1, 1], "w2-d6": [2, 1, 1, 1, 1, 1],
           "w3-d5": [3, 1, 1, 1, 1], "w4-d4": [4, 2, 1, 1], "w5-d3": [5, 1, 1]}
 
 
@@ -105,7 +108,8 @@ class Bench:
 
             def trees(histories):
                 return engine.speculate([SpeculateSpec(f"{sid}-{i}", h, params,
-                                                       shape or PAPER, 0, dynamic)
+                                                       shape or DEFAULT_EXPANSION, 0,
+                                                       dynamic)
                                          for i, h in enumerate(histories)])
         res = generate_local(self.engine, [ids], self.args.new_tokens, trees=trees,
                              params=params)[0]
@@ -190,7 +194,7 @@ def main() -> None:
             "hf-generate": lambda ids, p: b.hf(ids, p),
             "hf-prompt-lookup": lambda ids, p: b.hf(ids, p, prompt_lookup_num_tokens=10),
             "ours-engine-off": lambda ids, p: b.ours(ids, p, spec=False),
-            "ours-engine-paper": lambda ids, p: b.ours(ids, p, PAPER),
+            "ours-engine-tree": lambda ids, p: b.ours(ids, p, DEFAULT_EXPANSION),
             "ours-stack-off": lambda ids, p: b.stack(client, ids, p, False),
             "ours-stack-on": lambda ids, p: b.stack(client, ids, p, True),
         }
@@ -198,7 +202,8 @@ def main() -> None:
             systems["hf-assisted-ssm"] = lambda ids, p: b.hf(ids, p,
                                                             assistant_model=b.assistant)
         if not args.quick:
-            systems["ours-engine-chain"] = lambda ids, p: b.ours(ids, p, [1] * 6)
+            systems["ours-engine-chain"] = lambda ids, p: b.ours(ids, p, [1] * 4)
+            systems["ours-engine-paper"] = lambda ids, p: b.ours(ids, p, PAPER)
             systems["ours-engine-dynamic"] = lambda ids, p: b.ours(ids, p, PAPER, True)
         results = {"machine": {"platform": platform.platform(), "cpu": platform.processor(),
                                "cores": os.cpu_count(), "torch": torch.__version__,

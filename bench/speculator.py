@@ -26,7 +26,12 @@ from specinfer.sampling import SamplingParams
 from specinfer.ssm import DraftRequest, SSMDrafter
 
 SHAPES = {
+    "chain-3": [1, 1, 1],
+    "chain-4": [1, 1, 1, 1],
     "chain-6": [1, 1, 1, 1, 1, 1],
+    "w2-d4": [2, 1, 1, 1],
+    "w3-d4": [3, 2, 1, 1],
+    "w4-d3": [4, 2, 1],
     "w2": [2, 1, 1, 1, 1, 1],
     "w3": [3, 1, 1, 1, 1],
     "paper-1,1,3,1,1,1,1,1": [1, 1, 3, 1, 1, 1, 1, 1],
@@ -109,6 +114,8 @@ def main() -> None:
     if len(drafters) > 1:
         configs.append(("pool", drafters, False, greedy, default))
     configs.append(("ngram", [], True, greedy, default))
+    if len(drafters) > 1:
+        configs.append(("ssm-1+ngram", drafters[:1], True, greedy, default))
     configs.append(("pool+ngram", drafters, True, greedy, default))
     configs.append(("pool+ngram T=0.7", drafters, True, stoch, default))
     if drafters and not args.quick:

@@ -447,12 +447,14 @@ def boost_tune(cfg: BoostConfig) -> dict:
     if cfg.max_minutes:
         run_generation(cfg, "train", [t[0]["value"] for t in split["train"]], llm, tokenizer,
                        cfg.max_minutes)
-    answers = [answer_example(s) for s in load_chunks(cfg, "train")]
-    onpolicy = cfg.out / "data" / "onpolicy.pt"
-    if answers and not onpolicy.exists():
-        _save(teacher_targets(llm, answers, cfg.topk, cfg.gen_batch), onpolicy)
+    for path in sorted((cfg.out / "data").glob("train-*.pt")):  # their LLM distributions
+        soft = path.with_name(path.name.replace("train-", "onpolicy-"))
+        if not soft.exists():
+            answers = [answer_example(s) for s in torch.load(path)]
+            _save(teacher_targets(llm, answers, cfg.topk, cfg.gen_batch), soft)
     run_distillation(cfg, split["train"], llm, tokenizer)
-    train = load_chunks(cfg, "soft") + (torch.load(onpolicy) if onpolicy.exists() else [])
+    answers = load_chunks(cfg, "onpolicy")
+    train = load_chunks(cfg, "soft") + answers
     held = [answer_example(s) for s in load_chunks(cfg, "heldout")]
     eos = llm.generation_config.eos_token_id
     vocab_ids = build_vocab(train, cfg.vocab, eos if isinstance(eos, list) else [eos])

@@ -52,8 +52,9 @@ def _add_speculator_args(p: argparse.ArgumentParser) -> None:
                    help="SSM linears: fp16 (default; exact cache hits), int8 (fastest; "
                         "drafts may vary with the batch at near-ties) or fp32")
     p.add_argument("--no-ngram", action="store_true", help="disable prompt-lookup drafts")
-    p.add_argument("--expansion", default="1,1,3,1,1,1,1,1",
-                   help="children per level of a static tree")
+    p.add_argument("--expansion", default=None,
+                   help="children per level of a static tree (default: the speculator's, "
+                        "chosen by bench/speculator.py)")
     p.add_argument("--max-nodes", type=int, default=64, help="node budget per tree")
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--slots", type=int, default=16, help="sequences with cached SSM KV")
@@ -81,7 +82,7 @@ def build_speculator(args: argparse.Namespace):
                             slots=args.slots, max_context=args.max_context,
                             max_tree_nodes=args.max_nodes)
             for source, ref in enumerate(refs)]
-    expansion = [int(x) for x in args.expansion.split(",") if x.strip()]
+    expansion = [int(x) for x in (args.expansion or "").split(",") if x.strip()] or None
     log.info("speculator ready", extra={"ssms": len(pool), "ngram": not args.no_ngram,
                                         "expansion": expansion})
     return SpeculatorEngine(pool, vocab, ngram=not args.no_ngram, expansion=expansion,

@@ -27,7 +27,7 @@ def up():
     port, http = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specinfer", "up", "--port", str(port),
                              "--http-port", str(http), "--slots", "4", "--max-context",
-                             "1024"])
+                             "1024", "--speculation", "always"])
     try:
         wait_serving(f"127.0.0.1:{port}", proc, timeout=600)
         yield f"127.0.0.1:{port}", proc
@@ -52,6 +52,7 @@ def test_stack_greedy_equals_transformers_on_mtbench(up):
                 ref = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
                                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
             assert out.token_ids == ref[0, len(ids):].tolist(), prompt[:60]
+            assert out.stats.speculative_steps == out.steps  # every step verified a tree
             multi += sum(1 for a in out.accepted_per_step if a > 1)
     assert multi > 0  # speculation accepted drafts somewhere
 

@@ -9,6 +9,7 @@ cutting drafts out of a source's order (which MSS relies on).
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,10 @@ class SpeculatorEngine:
                  expansion: list[int] | None = None, max_nodes: int = 64,
                  ngram_depth: int = 6, ngram_branches: int = 2) -> None:
         self.pool = pool
+        # The SSMs draft concurrently: their forwards are small (a few rows), so torch's
+        # intra-op threads leave cores idle that another SSM can use (torch releases the
+        # GIL inside its kernels).
+        self.threads = ThreadPoolExecutor(len(pool), "ssm") if len(pool) > 1 else None
         self.vocab_size = vocab_size
         self.ngram = ngram
         self.expansion = expansion or DEFAULT_EXPANSION
@@ -74,13 +79,17 @@ class SpeculatorEngine:
         budgets = [(s.max_nodes or self.max_nodes) for s in specs]
         per_source = [max(1, b // max(1, self.num_sources)) for b in budgets]
         trees: list[list[TokenTree]] = [[] for _ in specs]
-        for source, drafter in enumerate(self.pool):
-            requests = [
+
+        def draft(source: int) -> list[TokenTree]:
+            return self.pool[source].propose([
                 DraftRequest(s.sequence_id, s.context, s.expansion or self.expansion, s.params,
                              _generator(s, source), s.dynamic, per_source[i])
-                for i, s in enumerate(specs)
-            ]
-            for i, tree in enumerate(drafter.propose(requests)):
+                for i, s in enumerate(specs)])
+
+        sources = range(len(self.pool))
+        drafted = self.threads.map(draft, sources) if self.threads else map(draft, sources)
+        for source_trees in drafted:  # in source order: merging is deterministic
+            for i, tree in enumerate(source_trees):
                 trees[i].append(tree)
         if self.ngram:
             for i, s in enumerate(specs):
