@@ -20,7 +20,10 @@ from specinfer.sampling import SamplingParams
 from specinfer.ssm import DraftRequest, SSMDrafter
 from specinfer.tree import TokenTree, merge_trees
 
-DEFAULT_EXPANSION = [1, 1, 3, 1, 1, 1, 1, 1]
+# Measured fastest here (bench/speculator.py, bench/results/speculator): with drafts
+# accepted ~1.7 per step, each extra level costs more than it gains; wider trees accept
+# more (w4-d3: 1.88) but cost more to draft and verify.
+DEFAULT_EXPANSION = [1, 1, 1]
 
 
 @dataclass
