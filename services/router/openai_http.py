@@ -261,6 +261,9 @@ class OpenAIApi:
         finally:
             for t in pumps:
                 t.cancel()
+            for g in gens:  # an error event ends the stream: free the other choices too
+                if not g.req.finish_reason:
+                    self.scheduler.cancel(g.req)
         return resp
 
     @staticmethod
