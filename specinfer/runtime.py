@@ -13,6 +13,8 @@ that need it.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -46,13 +48,16 @@ class KVCache:
 
 
 class Gemm:
-    """Linear layers for this runtime. One row (incremental decoding) goes to the default
-    BLAS GEMV; several rows (trees, prefill) go to oneDNN with weights packed once at load,
-    which on these CPUs runs small-M GEMMs up to 2x faster than the default path. Modules
-    other than a plain ``nn.Linear`` (e.g. DeepSpeed's all-reducing shards) are called."""
+    """Linear layers for this runtime. Up to ``blas_rows`` rows go to the default BLAS,
+    which reads each weight once as a GEMV-like kernel; more rows (trees, prefill) go to
+    oneDNN with weights packed once at load. Where the two cross over depends on the CPU
+    (on the reference 2-core EPYC: BLAS is flat up to 3 rows, then oneDNN is 20% faster), so
+    it is measured once at load on this model's own weights. Modules other than a plain
+    ``nn.Linear`` (e.g. DeepSpeed's all-reducing shards, fbgemm fp16) are called."""
 
     def __init__(self, modules: list[torch.nn.Module], enabled: bool) -> None:
         self.packed: dict[int, torch.Tensor] = {}
+        self.blas_rows = 1
         if not enabled:
             return
         try:
@@ -61,11 +66,36 @@ class Gemm:
                     self.packed[id(m)] = torch.ops.mkldnn._reorder_linear_weight(m.weight, 16)
         except (AttributeError, RuntimeError):  # no oneDNN in this torch build
             self.packed.clear()
+        if self.packed:
+            self.blas_rows = self._crossover([m for m in modules if id(m) in self.packed])
+
+    def _crossover(self, modules: list[torch.nn.Linear], max_rows: int = 8) -> int:
+        """The most rows for which BLAS still beats oneDNN (1 if it never does)."""
+        def best_of(rows: int, packed: bool, reps: int = 2) -> float:
+            xs = {m.in_features: torch.randn(rows, m.in_features) for m in modules}
+            best = float("inf")
+            for _ in range(reps):
+                start = time.perf_counter()
+                for m in modules:
+                    x = xs[m.in_features]
+                    if packed:
+                        torch.ops.mkldnn._linear_pointwise(x, self.packed[id(m)], m.bias,
+                                                           "none", [], "")
+                    else:
+                        F.linear(x, m.weight, m.bias)
+                best = min(best, time.perf_counter() - start)
+            return best
+
+        with torch.inference_mode():
+            rows = 1
+            while rows < max_rows and best_of(rows + 1, False) < best_of(rows + 1, True):
+                rows += 1
+        return rows
 
     def __call__(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed.get(id(module))
         rows = x.numel() // x.shape[-1]
-        if packed is None or rows == 1:
+        if packed is None or rows <= self.blas_rows:
             return module(x)
         flat = x.reshape(rows, x.shape[-1])
         out = torch.ops.mkldnn._linear_pointwise(flat, packed, module.bias, "none", [], "")

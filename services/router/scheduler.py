@@ -88,13 +88,18 @@ class SpeculationPolicy:
     second for speculative and for plain steps, per batch-size bucket (1, 2, 3-4, 5-8, ...)
     and per kind of batch (all greedy or not), and each step takes the faster mode. One
     step in ``explore_every`` takes the other mode, so an estimate that went stale
-    (different prompts, a colder cache) is corrected."""
+    (different prompts, a colder cache) is corrected; while those checks keep confirming
+    the decision they back off to one step in ``max_explore_every``."""
 
-    def __init__(self, explore_every: int = 16, smoothing: float = 0.25) -> None:
+    def __init__(self, explore_every: int = 16, smoothing: float = 0.25,
+                 max_explore_every: int = 128) -> None:
         self.explore_every = explore_every
+        self.max_explore_every = max_explore_every
         self.smoothing = smoothing
         self.rate: dict[tuple[int, bool, bool], float] = {}
-        self.steps: dict[tuple[int, bool], int] = {}
+        self.choice: dict[tuple[int, bool], bool] = {}
+        self.interval: dict[tuple[int, bool], int] = {}
+        self.countdown: dict[tuple[int, bool], int] = {}
 
     @staticmethod
     def _key(batch: int, greedy: bool) -> tuple[int, bool]:
@@ -102,21 +107,35 @@ class SpeculationPolicy:
 
     def speculate(self, batch: int, greedy: bool) -> bool:
         key = self._key(batch, greedy)
-        n = self.steps[key] = self.steps.get(key, 0) + 1
         on, off = self.rate.get((*key, True)), self.rate.get((*key, False))
         if on is None or off is None:  # measure both modes first, speculation first
             return on is None
         best = on >= off
-        return (not best) if n % self.explore_every == 0 else best
+        if self.choice.get(key) != best:  # a new decision: check it again soon
+            self.choice[key] = best
+            self._explore_after(key, self.explore_every)
+        self.countdown[key] -= 1
+        if self.countdown[key] > 0:
+            return best
+        # Each exploration that confirms the decision halves how often we explore, so a
+        # mode that clearly loses costs less and less (down to 1 step in max_explore_every).
+        self._explore_after(key, min(2 * self.interval[key], self.max_explore_every))
+        return not best
+
+    def _explore_after(self, key: tuple[int, bool], steps: int) -> None:
+        self.interval[key] = self.countdown[key] = steps
 
     def record(self, batch: int, greedy: bool, speculated: bool, tokens: int,
                seconds: float) -> None:
         if seconds <= 0:
             return
-        key = (*self._key(batch, greedy), speculated)
+        key = self._key(batch, greedy)
         rate = tokens / seconds
-        old = self.rate.get(key)
-        self.rate[key] = rate if old is None else old + self.smoothing * (rate - old)
+        old = self.rate.get((*key, speculated))
+        self.rate[(*key, speculated)] = rate if old is None else old + self.smoothing * (rate - old)
+        best = self.choice.get(key)
+        if best is not None and speculated != best and rate > self.rate[(*key, best)]:
+            self._explore_after(key, self.explore_every)  # the other mode may have caught up
 
 
 class Scheduler:
