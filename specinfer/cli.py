@@ -52,6 +52,10 @@ def _add_speculator_args(p: argparse.ArgumentParser) -> None:
                    help="SSM linears: fp16 (default; exact cache hits), int8 (fastest; "
                         "drafts may vary with the batch at near-ties) or fp32")
     p.add_argument("--no-ngram", action="store_true", help="disable prompt-lookup drafts")
+    p.add_argument("--datastore", default="auto",
+                   help="corpus drafts: auto (the ShareGPT datastore for the LLM's tokenizer, "
+                        "built once and cached; none if the LLM has no tokenizer), none, or "
+                        "a saved .npz")
     p.add_argument("--expansion", default=None,
                    help="children per level of a static tree (default: the speculator's, "
                         "chosen by bench/speculator.py)")
@@ -83,10 +87,31 @@ def build_speculator(args: argparse.Namespace):
                             max_tree_nodes=args.max_nodes)
             for source, ref in enumerate(refs)]
     expansion = [int(x) for x in (args.expansion or "").split(",") if x.strip()] or None
+    datastore = _datastore(args.datastore, args.llm)
     log.info("speculator ready", extra={"ssms": len(pool), "ngram": not args.no_ngram,
+                                        "datastore": len(datastore) if datastore else 0,
                                         "expansion": expansion})
     return SpeculatorEngine(pool, vocab, ngram=not args.no_ngram, expansion=expansion,
-                            max_nodes=args.max_nodes)
+                            max_nodes=args.max_nodes, datastore=datastore)
+
+
+def _datastore(choice: str, llm: str):
+    from pathlib import Path
+
+    from specinfer.datastore import NgramDatastore, sharegpt_datastore
+    from specinfer.models import load_tokenizer
+
+    if choice == "none":
+        return None
+    if choice != "auto":
+        return NgramDatastore.load(Path(choice))
+    try:
+        tokenizer = load_tokenizer(llm)
+    except (OSError, ValueError) as e:
+        log.info("no datastore: the LLM has no tokenizer", extra={"error": str(e)[:200]})
+        return None
+    log.info("loading the ShareGPT datastore (built on first use, about a minute)")
+    return sharegpt_datastore(tokenizer)
 
 
 def serve_speculator(args: argparse.Namespace) -> int:
@@ -132,6 +157,8 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--expansion", default=None, help="the speculator's static tree")
+    p.add_argument("--datastore", default="auto", help="the speculator's corpus drafts: "
+                   "auto, none or a saved .npz")
     p.add_argument("--speculation", choices=["adaptive", "always"], default="adaptive")
 
 

@@ -71,6 +71,7 @@ def run_stack(args) -> int:
             cmd += ["--ssm", ref]
         if args.expansion:
             cmd += ["--expansion", args.expansion]
+        cmd += ["--datastore", args.datastore]
         procs.append(subprocess.Popen(cmd))
     router = f"{args.host}:{args.port}"
     cmd = exe + ["serve", "router", "--llm", args.llm, "--host", args.host, "--port",

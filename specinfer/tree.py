@@ -144,14 +144,22 @@ class TokenTree:
         return anc
 
 
-def merge_trees(trees: Sequence[TokenTree]) -> TokenTree:
+def merge_trees(trees: Sequence[TokenTree], max_nodes: int | None = None) -> TokenTree:
     """The tree holding exactly the union of the trees' paths; drafts of equal paths are
-    concatenated in the order of ``trees``."""
+    concatenated in the order of ``trees``. With ``max_nodes``, nodes are taken in that
+    order until the budget is full (a node's ancestors always come first). Only cut trees
+    of deterministic (one-hot) drafts: dropping a sampled draft but keeping a later sample
+    of the same source would bias stochastic verification."""
     merged = TokenTree()
     for tree in trees:
-        remap: list[int] = []
+        remap: list[int | None] = []
         for tok, par, drafts in zip(tree.tokens, tree.parents, tree.drafts, strict=True):
-            remap.append(merged.add(ROOT if par == ROOT else remap[par], tok, drafts))
+            parent = ROOT if par == ROOT else remap[par]
+            full = max_nodes is not None and len(merged) >= max_nodes
+            if parent is None or full and merged.child(parent, tok) is None:
+                remap.append(None)  # over budget: this node and its subtree are left out
+                continue
+            remap.append(merged.add(parent, tok, drafts))
     return merged
 
 

@@ -1,54 +1,63 @@
-"""The router's adaptive speculation policy: measured, per batch size, self-correcting."""
+"""The router's adaptive speculation policy: measured per batch size, self-correcting, and
+choosing among plain decoding (arm 0) and several speculation modes."""
 
 from services.router.scheduler import SpeculationPolicy
 
 
-def run(policy: SpeculationPolicy, batch: int, on_rate: float, off_rate: float,
-        steps: int) -> list[bool]:
-    modes = []
+def run(policy: SpeculationPolicy, batch: int, rates: list[float], steps: int) -> list[int]:
+    """``rates[arm]``: the tokens per second each arm delivers."""
+    arms = []
     for _ in range(steps):
-        spec = policy.speculate(batch, greedy=True)
-        policy.record(batch, True, spec, tokens=int(on_rate if spec else off_rate), seconds=1.0)
-        modes.append(spec)
-    return modes
+        arm = policy.choose(batch, greedy=True)
+        policy.record(batch, True, arm, tokens=int(rates[arm]), seconds=1.0)
+        arms.append(arm)
+    return arms
 
 
-def test_takes_the_faster_mode_and_explores_the_other():
-    policy = SpeculationPolicy(explore_every=8, max_explore_every=8)
-    modes = run(policy, 1, on_rate=30, off_rate=10, steps=66)
-    assert modes[:2] == [True, False]  # both measured first
-    assert sum(not m for m in modes[2:]) == 8  # then one step in 8 explores
-    modes = run(SpeculationPolicy(explore_every=8, max_explore_every=8), 1, on_rate=8,
-                off_rate=10, steps=66)
-    assert sum(modes[2:]) == 8
+def test_takes_the_faster_arm_and_explores_the_other():
+    policy = SpeculationPolicy(2, explore_every=8, max_explore_every=8)
+    arms = run(policy, 1, [10, 30], steps=66)
+    assert arms[:2] == [1, 0]  # both measured first, speculation first
+    assert arms[2:].count(0) == 8  # then one step in 8 explores
+    arms = run(SpeculationPolicy(2, explore_every=8, max_explore_every=8), 1, [10, 8], 66)
+    assert arms[2:].count(1) == 8
+
+
+def test_chooses_among_several_modes_and_tries_each_in_turn():
+    policy = SpeculationPolicy(4, explore_every=4, max_explore_every=4)
+    arms = run(policy, 1, [10, 14, 12, 9], steps=4 + 36)
+    assert arms[:4] == [1, 2, 3, 0]
+    rest = arms[4:]
+    assert rest.count(1) == 27  # the fastest mode, except one step in 4
+    assert [a for a in rest if a != 1] == [0, 2, 3] * 3  # each other arm in turn
 
 
 def test_exploration_backs_off_while_it_confirms_the_decision():
-    policy = SpeculationPolicy(explore_every=8, max_explore_every=64)
-    modes = run(policy, 1, on_rate=8, off_rate=10, steps=2 + 8 + 16 + 32 + 64 + 64)
-    explored = [i for i, m in enumerate(modes[2:], 1) if m]
+    policy = SpeculationPolicy(2, explore_every=8, max_explore_every=64)
+    arms = run(policy, 1, [10, 8], steps=2 + 8 + 16 + 32 + 64 + 64)
+    explored = [i for i, a in enumerate(arms[2:], 1) if a == 1]
     assert explored == [8, 24, 56, 120, 184]  # 8, 16, 32, 64, then capped at 64
 
 
 def test_an_exploration_that_wins_resets_the_backoff():
-    policy = SpeculationPolicy(explore_every=4, max_explore_every=64)
-    run(policy, 1, on_rate=8, off_rate=10, steps=2 + 4 + 8 + 16)  # backed off to 32
+    policy = SpeculationPolicy(2, explore_every=4, max_explore_every=64)
+    run(policy, 1, [10, 8], steps=2 + 4 + 8 + 16)  # backed off to 32
     assert policy.interval[policy._key(1, True)] == 32
-    policy.record(1, True, True, tokens=20, seconds=1.0)  # speculation now beats plain
+    policy.record(1, True, 1, tokens=20, seconds=1.0)  # speculation now beats plain
     assert policy.interval[policy._key(1, True)] == 4
 
 
 def test_batch_sizes_and_kinds_are_measured_apart():
-    policy = SpeculationPolicy(explore_every=1000)
-    run(policy, 1, on_rate=30, off_rate=10, steps=10)
-    run(policy, 16, on_rate=50, off_rate=100, steps=10)
-    assert policy.speculate(1, greedy=True)
-    assert not policy.speculate(12, greedy=True)  # same bucket as 16
-    assert policy.speculate(16, greedy=False)  # stochastic batches are unmeasured: try
+    policy = SpeculationPolicy(2, explore_every=1000)
+    run(policy, 1, [10, 30], steps=10)
+    run(policy, 16, [100, 50], steps=10)
+    assert policy.choose(1, greedy=True) == 1
+    assert policy.choose(12, greedy=True) == 0  # same bucket as 16
+    assert policy.choose(16, greedy=False) == 1  # stochastic batches are unmeasured: try
 
 
 def test_a_stale_estimate_is_corrected_by_exploration():
-    policy = SpeculationPolicy(explore_every=4)
-    run(policy, 2, on_rate=30, off_rate=10, steps=20)
-    modes = run(policy, 2, on_rate=5, off_rate=10, steps=40)  # speculation stopped paying
-    assert not modes[-1] and 1 <= sum(modes[-12:]) <= 3  # only exploring steps speculate
+    policy = SpeculationPolicy(2, explore_every=4)
+    run(policy, 2, [10, 30], steps=20)
+    arms = run(policy, 2, [10, 5], steps=40)  # speculation stopped paying
+    assert arms[-1] == 0 and 1 <= sum(arms[-12:]) <= 3  # only exploring steps speculate

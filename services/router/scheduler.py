@@ -79,63 +79,87 @@ class Replica:
     max_context: int = 2048
 
 
+@dataclass(frozen=True)
+class SpeculationMode:
+    """One way to speculate: the speculator's tree config for a step."""
+
+    name: str
+    expansion: tuple[int, ...] = ()  # () = the speculator's default; (0,) = no SSMs
+    max_nodes: int = 0  # 0 = the router's per-step budget
+
+
+# What adaptive speculation chooses from, besides plain decoding (arm 0). Model-free drafts
+# (corpus datastore, prompt lookup) cost almost nothing to make, so small trees of them can
+# pay where SSM trees do not (a CPU verifier, a large batch); which mode wins is measured.
+ADAPTIVE_MODES = (
+    SpeculationMode("lookup-2", (0,), 2),
+    SpeculationMode("lookup-6", (0,), 6),
+    SpeculationMode("tree"),
+)
+
+
 class SpeculationPolicy:
-    """Decides, step by step, whether speculating pays at the current batch size.
+    """Decides, step by step, which speculation mode pays at the current batch size.
 
     Speculation trades extra work (drafting, a wider verification) for more tokens per LLM
-    step; whether that wins depends on the batch, the SSMs' acceptance on this traffic and
-    the hardware. So it is measured, not assumed: a running mean of output tokens per
-    second for speculative and for plain steps, per batch-size bucket (1, 2, 3-4, 5-8, ...)
-    and per kind of batch (all greedy or not), and each step takes the faster mode. One
-    step in ``explore_every`` takes the other mode, so an estimate that went stale
-    (different prompts, a colder cache) is corrected; while those checks keep confirming
-    the decision they back off to one step in ``max_explore_every``."""
+    step; whether that wins depends on the batch, the drafts' acceptance on this traffic
+    and the hardware. So it is measured, not assumed: a running mean of output tokens per
+    second for each arm (0 = plain decoding, then one per mode), per batch-size bucket
+    (1, 2, 3-4, 5-8, ...) and per kind of batch (all greedy or not); each step takes the
+    fastest arm. Every ``explore_every`` steps one other arm is tried (in turn), so an
+    estimate that went stale (different prompts, a colder cache) is corrected; while those
+    tries keep confirming the choice they back off to one step in ``max_explore_every``,
+    and an arm that beats the choice resets the back-off."""
 
-    def __init__(self, explore_every: int = 16, smoothing: float = 0.25,
+    def __init__(self, arms: int = 2, explore_every: int = 16, smoothing: float = 0.25,
                  max_explore_every: int = 128) -> None:
+        self.arms = arms
         self.explore_every = explore_every
         self.max_explore_every = max_explore_every
         self.smoothing = smoothing
-        self.rate: dict[tuple[int, bool, bool], float] = {}
-        self.choice: dict[tuple[int, bool], bool] = {}
+        self.rate: dict[tuple[int, bool, int], float] = {}
+        self.choice: dict[tuple[int, bool], int] = {}
         self.interval: dict[tuple[int, bool], int] = {}
         self.countdown: dict[tuple[int, bool], int] = {}
+        self.next_try: dict[tuple[int, bool], int] = {}
 
     @staticmethod
     def _key(batch: int, greedy: bool) -> tuple[int, bool]:
         return 1 << max(0, batch - 1).bit_length(), greedy
 
-    def speculate(self, batch: int, greedy: bool) -> bool:
+    def choose(self, batch: int, greedy: bool) -> int:
         key = self._key(batch, greedy)
-        on, off = self.rate.get((*key, True)), self.rate.get((*key, False))
-        if on is None or off is None:  # measure both modes first, speculation first
-            return on is None
-        best = on >= off
+        rates = [self.rate.get((*key, arm)) for arm in range(self.arms)]
+        # Measure every arm first: the speculating ones, then plain decoding.
+        for arm in [*range(1, self.arms), 0]:
+            if rates[arm] is None:
+                return arm
+        best = max(range(self.arms), key=lambda arm: (rates[arm], -arm))
         if self.choice.get(key) != best:  # a new decision: check it again soon
             self.choice[key] = best
             self._explore_after(key, self.explore_every)
         self.countdown[key] -= 1
         if self.countdown[key] > 0:
             return best
-        # Each exploration that confirms the decision halves how often we explore, so a
-        # mode that clearly loses costs less and less (down to 1 step in max_explore_every).
         self._explore_after(key, min(2 * self.interval[key], self.max_explore_every))
-        return not best
+        others = [arm for arm in range(self.arms) if arm != best]
+        turn = self.next_try.get(key, 0)
+        self.next_try[key] = turn + 1
+        return others[turn % len(others)]
 
     def _explore_after(self, key: tuple[int, bool], steps: int) -> None:
         self.interval[key] = self.countdown[key] = steps
 
-    def record(self, batch: int, greedy: bool, speculated: bool, tokens: int,
-               seconds: float) -> None:
+    def record(self, batch: int, greedy: bool, arm: int, tokens: int, seconds: float) -> None:
         if seconds <= 0:
             return
         key = self._key(batch, greedy)
         rate = tokens / seconds
-        old = self.rate.get((*key, speculated))
-        self.rate[(*key, speculated)] = rate if old is None else old + self.smoothing * (rate - old)
+        old = self.rate.get((*key, arm))
+        self.rate[(*key, arm)] = rate if old is None else old + self.smoothing * (rate - old)
         best = self.choice.get(key)
-        if best is not None and speculated != best and rate > self.rate[(*key, best)]:
-            self._explore_after(key, self.explore_every)  # the other mode may have caught up
+        if best is not None and arm != best and rate > self.rate[(*key, best)]:
+            self._explore_after(key, self.explore_every)  # another arm may have caught up
 
 
 class Scheduler:
@@ -153,7 +177,8 @@ class Scheduler:
         self.eos_ids = set(eos_ids)
         self.max_waiting = max_waiting
         self.spec_max_batch = spec_max_batch
-        self.policy = SpeculationPolicy() if adaptive else None
+        self.modes = ADAPTIVE_MODES if adaptive else (SpeculationMode("tree"),)
+        self.policy = SpeculationPolicy(1 + len(self.modes)) if adaptive else None
         self.expansion = expansion or []
         self.max_nodes = max_nodes
         self.step_timeout_s = step_timeout_s
@@ -178,9 +203,32 @@ class Scheduler:
             r.capacity = max(1, i.kv_capacity_tokens // max(1, i.max_context))
             r.max_tree_nodes, r.max_context = i.max_tree_nodes, i.max_context
             info = info or i
+        await self._await_speculators()
         self.task = asyncio.create_task(self._loop())
         return {"vocab_size": info.vocab_size, "max_context": info.max_context,
                 "model": info.model, "dtype": info.dtype}
+
+    async def _await_speculators(self, timeout_s: float = 180.0) -> None:
+        """Give starting speculators (loading SSMs, building the datastore on a first run)
+        time to report SERVING; one that never does is failed over like a dead one."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        for i, channel in enumerate(self.spec_channels):
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                try:
+                    status = (await stub.Check(health_pb2.HealthCheckRequest(),
+                                               timeout=2)).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    log.warning("speculator not serving; starting without it",
+                                extra={"speculator": i})
+                    break
+                await asyncio.sleep(0.5)
 
     async def close(self) -> None:
         if self.task:
@@ -322,8 +370,11 @@ class Scheduler:
 
         asyncio.ensure_future(check())
 
-    async def _speculate(self, reqs: list[GenRequest], budget: int) -> dict[str, object]:
+    async def _speculate(self, reqs: list[GenRequest], budget: int,
+                         mode: SpeculationMode) -> dict[str, object]:
         """Trees for the speculating requests, or {} if no speculator answers."""
+        if mode.max_nodes:
+            budget = min(budget, mode.max_nodes)
         now = time.monotonic()
         for i, client in enumerate(self.spec_clients):
             if self.spec_down_until[i] > now:
@@ -331,7 +382,7 @@ class Scheduler:
             items = [speculator_pb2.SpeculateItem(
                 sequence_id=r.id, context=r.history, sampling=_sampling_proto(r.params),
                 tree=speculator_pb2.TreeConfig(
-                    expansion=self.expansion,
+                    expansion=list(mode.expansion) or self.expansion,
                     max_nodes=min(self.max_nodes or r.replica.max_tree_nodes,
                                   r.replica.max_tree_nodes, budget,
                                   r.replica.max_context - len(r.history) - 1)))
@@ -355,13 +406,18 @@ class Scheduler:
         speculate = [r for r in batch if r.speculation
                      and r.replica.max_context - len(r.history) > 2]
         # Adaptive speculation: a larger batch amortises the LLM's weights over more
-        # sequences, so each sequence gets a smaller tree, none past spec_max_batch, and
-        # none when the policy measured plain steps to be faster at this batch size.
-        if len(batch) > self.spec_max_batch or not self.spec_clients \
-                or speculate and self.policy and not self.policy.speculate(len(batch), greedy):
+        # sequences, so each sequence gets a smaller tree, none past spec_max_batch; the
+        # policy picks plain decoding or a mode by measured speed at this batch size.
+        arm = 1 if speculate else 0
+        if len(batch) > self.spec_max_batch or not self.spec_clients:
+            arm = 0
+        elif speculate and self.policy:
+            arm = self.policy.choose(len(batch), greedy)
+        if arm == 0:
             speculate = []
         budget = max(4, 64 // max(1, len(speculate)))
-        trees = await self._speculate(speculate, budget) if speculate else {}
+        trees = await self._speculate(speculate, budget, self.modes[arm - 1]) \
+            if speculate else {}
         for r in speculate:
             r.speculate_s += time.monotonic() - started
         by_replica: dict[str, list[GenRequest]] = {}
@@ -370,7 +426,7 @@ class Scheduler:
         await asyncio.gather(*(self._verify(reqs, trees) for reqs in by_replica.values()))
         if self.policy and len(batch) <= self.spec_max_batch \
                 and any(r.speculation for r in batch):
-            self.policy.record(len(batch), greedy, bool(trees),
+            self.policy.record(len(batch), greedy, arm if trees else 0,
                                sum(len(r.generated) for r in batch) - emitted,
                                time.monotonic() - started)
 

@@ -1,9 +1,11 @@
 """The speculator engine: one merged token tree per sequence from a pool of SSMs and the
 n-gram drafter. Stateless: each SSM's per-sequence KV cache is an optimisation only.
 
-Draft sources are numbered: SSM i is source i, the n-gram drafter is source len(pool).
-Each source gets its own share of the node budget, so the merged tree respects it without
-cutting drafts out of a source's order (which MSS relies on).
+Draft sources are numbered: SSM i is source i, then the prompt-lookup (n-gram) drafter,
+then the corpus datastore (``specinfer.datastore``), each if enabled.
+Each SSM gets its own share of the node budget, so the merged tree respects it without
+cutting sampled drafts out of a source's order (which MSS relies on); the model-free
+sources' deterministic drafts share the rest and are cut to it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specinfer.datastore import NgramDatastore
 from specinfer.errors import InvalidArgument
 from specinfer.ngram import ngram_tree
 from specinfer.sampling import SamplingParams
@@ -39,7 +42,8 @@ class SpeculateSpec:
 class SpeculatorEngine:
     def __init__(self, pool: list[SSMDrafter], vocab_size: int, *, ngram: bool = True,
                  expansion: list[int] | None = None, max_nodes: int = 64,
-                 ngram_depth: int = 6, ngram_branches: int = 2) -> None:
+                 ngram_depth: int = 6, ngram_branches: int = 2,
+                 datastore: NgramDatastore | None = None, datastore_depth: int = 3) -> None:
         self.pool = pool
         # The SSMs draft concurrently: their forwards are small (a few rows), so torch's
         # intra-op threads leave cores idle that another SSM can use (torch releases the
@@ -51,10 +55,12 @@ class SpeculatorEngine:
         self.max_nodes = max_nodes
         self.ngram_depth = ngram_depth
         self.ngram_branches = ngram_branches
+        self.datastore = datastore
+        self.datastore_depth = datastore_depth
 
     @property
     def num_sources(self) -> int:
-        return len(self.pool) + (1 if self.ngram else 0)
+        return len(self.pool) + (1 if self.ngram else 0) + (1 if self.datastore is not None else 0)
 
     def validate(self, specs: list[SpeculateSpec]) -> None:
         for i, s in enumerate(specs):
@@ -78,27 +84,46 @@ class SpeculatorEngine:
                                       f"the budget {self.max_nodes}")
 
     def speculate(self, specs: list[SpeculateSpec]) -> list[TokenTree]:
+        """Each sequence's merged tree, within its node budget. An expansion of only zeros
+        (e.g. ``[0]``) skips the SSMs: only the model-free drafts, at almost no cost."""
         self.validate(specs)
         budgets = [(s.max_nodes or self.max_nodes) for s in specs]
-        per_source = [max(1, b // max(1, self.num_sources)) for b in budgets]
+        use_ssm = [any(w > 0 for w in (s.expansion or self.expansion)) for s in specs]
+        cheap = (1 if self.ngram else 0) + (1 if self.datastore is not None else 0)
+        shares = [max(1, b // max(1, cheap + (len(self.pool) if ssm else 0)))
+                  for b, ssm in zip(budgets, use_ssm, strict=True)]
         trees: list[list[TokenTree]] = [[] for _ in specs]
+
+        # Model-free drafts first: deterministic, so their merged tree may be cut to the
+        # budget (best evidence first: the corpus datastore, then prompt lookup).
+        for i, s in enumerate(specs):
+            cheap_trees = []
+            if self.datastore is not None:
+                source = len(self.pool) + (1 if self.ngram else 0)
+                cheap_trees.append(self.datastore.tree(s.context, self.datastore_depth,
+                                                       source, self.vocab_size))
+            if self.ngram:
+                cheap_trees.append(ngram_tree(s.context, self.ngram_depth,
+                                              branches=self.ngram_branches,
+                                              source=len(self.pool), max_nodes=budgets[i]))
+            if cheap_trees:
+                trees[i].append(merge_trees(cheap_trees, max_nodes=shares[i] * cheap))
+
+        drafting = [i for i, ssm in enumerate(use_ssm) if ssm]
 
         def draft(source: int) -> list[TokenTree]:
             return self.pool[source].propose([
-                DraftRequest(s.sequence_id, s.context, s.expansion or self.expansion, s.params,
-                             _generator(s, source), s.dynamic, per_source[i])
-                for i, s in enumerate(specs)])
+                DraftRequest(specs[i].sequence_id, specs[i].context,
+                             specs[i].expansion or self.expansion, specs[i].params,
+                             _generator(specs[i], source), specs[i].dynamic, shares[i])
+                for i in drafting])
 
-        sources = range(len(self.pool))
-        drafted = self.threads.map(draft, sources) if self.threads else map(draft, sources)
-        for source_trees in drafted:  # in source order: merging is deterministic
-            for i, tree in enumerate(source_trees):
-                trees[i].append(tree)
-        if self.ngram:
-            for i, s in enumerate(specs):
-                depth = min(self.ngram_depth, per_source[i])
-                trees[i].append(ngram_tree(s.context, depth, branches=self.ngram_branches,
-                                           source=len(self.pool), max_nodes=per_source[i]))
+        if drafting:
+            sources = range(len(self.pool))
+            drafted = self.threads.map(draft, sources) if self.threads else map(draft, sources)
+            for source_trees in drafted:  # in source order: merging is deterministic
+                for i, tree in zip(drafting, source_trees, strict=True):
+                    trees[i].append(tree)
         return [merge_trees(t) for t in trees]
 
 
