@@ -6,7 +6,8 @@ Writes bench/results/<date>/{results.json, report.md, *.png} and prints a summar
    --per-category each), greedy and T=0.7:
    transformers generate (plain), transformers assisted generation (our best SSM as
    assistant_model) and prompt lookup; specinfer engine-only with speculation off / on
-   (the default tree; without --quick also a chain, the paper's tree and a dynamic tree),
+   (model-free drafts only, 2 nodes; the default SSM tree; without --quick also a chain,
+   the paper's tree and a dynamic tree),
    and the full gRPC stack off / on (adaptive). Runs are interleaved (A B A B ...) per
    prompt so drift cancels; figures are medians over prompts with their spread, plus mean
    accepted tokens per step, TTFT, time per output token, and where the time goes
@@ -39,6 +40,7 @@ from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
 from specinfer.data import mtbench_first_turns
+from specinfer.datastore import sharegpt_datastore
 from specinfer.models import DEFAULT_LLM, default_pool, load_ssm, load_tokenizer
 from specinfer.sampling import SamplingParams
 from specinfer.ssm import SSMDrafter
@@ -81,6 +83,7 @@ class Bench:
         self.refs = args.pool if args.pool is not None else default_pool(args.llm)
         self.drafters = [SSMDrafter.load(r, i, slots=4, llm_vocab_size=self.engine.vocab_size)
                          for i, r in enumerate(self.refs)]
+        self.datastore = sharegpt_datastore(self.tok)
         # transformers' assisted generation gets our best SSM in float32.
         self.assistant = hf_assistant(self.llm, *load_ssm(self.refs[0])) if self.refs else None
         self.counter = iter(range(10**9))
@@ -98,17 +101,19 @@ class Bench:
         n = out.shape[1] - len(ids)
         return {"tokens": n, "elapsed": time.perf_counter() - t, "accepted": None}
 
-    def ours(self, ids, params, shape=None, dynamic=False, spec=True):
+    def ours(self, ids, params, shape=None, dynamic=False, spec=True, max_nodes=0):
+        """The engine in-process with the speculator's sources (SSM pool, prompt lookup,
+        corpus datastore); ``shape`` [0] drafts without the SSMs."""
         trees = None
         if spec:
             engine = SpeculatorEngine(self.drafters, self.engine.vocab_size, expansion=shape,
-                                      max_nodes=64)
+                                      max_nodes=64, datastore=self.datastore)
 
             sid = f"s{next(self.counter)}"  # stable per sequence: the SSM KV cache hits
 
             def trees(histories):
                 return engine.speculate([SpeculateSpec(f"{sid}-{i}", h, params,
-                                                       shape or DEFAULT_EXPANSION, 0,
+                                                       shape or DEFAULT_EXPANSION, max_nodes,
                                                        dynamic)
                                          for i, h in enumerate(histories)])
         res = generate_local(self.engine, [ids], self.args.new_tokens, trees=trees,
@@ -194,6 +199,7 @@ def main() -> None:
             "hf-generate": lambda ids, p: b.hf(ids, p),
             "hf-prompt-lookup": lambda ids, p: b.hf(ids, p, prompt_lookup_num_tokens=10),
             "ours-engine-off": lambda ids, p: b.ours(ids, p, spec=False),
+            "ours-engine-lookup": lambda ids, p: b.ours(ids, p, [0], max_nodes=2),
             "ours-engine-tree": lambda ids, p: b.ours(ids, p, DEFAULT_EXPANSION),
             "ours-stack-off": lambda ids, p: b.stack(client, ids, p, False),
             "ours-stack-on": lambda ids, p: b.stack(client, ids, p, True),

@@ -1,8 +1,10 @@
 """Speculation quality and cost on MT-Bench first turns, engine-only (no RPC).
 
 Mean accepted tokens per LLM step (bonus token included) for: each SSM alone, the merged
-pool, n-gram alone, pool + n-gram; greedy and stochastic (T=0.7); and tree shapes (a
-sequence vs trees of width 2-5). Also the SSM draft-step cost relative to an LLM step.
+pool, n-gram alone, the corpus datastore alone, the model-free pair (n-gram + datastore,
+the router's lookup modes), pool + n-gram (+ datastore); greedy and stochastic (T=0.7);
+and tree shapes (a sequence vs trees of width 2-5). Also the SSM draft-step cost relative
+to an LLM step.
 Prints a table, writes JSON and a PNG plot.
 
     python bench/speculator.py [--pool DIR ...] [--prompts 8] [--new-tokens 64] [--quick]
@@ -21,6 +23,7 @@ from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
 from specinfer.data import mtbench_first_turns
+from specinfer.datastore import sharegpt_datastore
 from specinfer.models import DEFAULT_LLM, default_pool, load_tokenizer
 from specinfer.sampling import SamplingParams
 from specinfer.ssm import DraftRequest, SSMDrafter
@@ -46,12 +49,13 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def run(engine, spec_engine, prompts, new_tokens, params, expansion, dynamic=False):
+def run(engine, spec_engine, prompts, new_tokens, params, expansion, dynamic=False,
+        max_nodes=0):
     accepted, steps, tokens, elapsed = 0, 0, 0, 0.0
     for k, p in enumerate(prompts):
         def trees(histories, k=k):  # a stable id per sequence: the SSM KV cache hits
-            return spec_engine.speculate([SpeculateSpec(f"p{k}-{i}", h, params, expansion, 0,
-                                                        dynamic)
+            return spec_engine.speculate([SpeculateSpec(f"p{k}-{i}", h, params, expansion,
+                                                        max_nodes, dynamic)
                                           for i, h in enumerate(histories)])
 
         res = generate_local(engine, [p], new_tokens, trees=trees, params=params)[0]
@@ -107,22 +111,30 @@ def main() -> None:
     drafters = [SSMDrafter.load(ref, i, slots=4, llm_vocab_size=vocab)
                 for i, ref in enumerate(refs)]
     greedy, stoch = SamplingParams(), SamplingParams(temperature=0.7, seed=0)
+    store = sharegpt_datastore(tokenizer)
     default = SHAPES["paper-1,1,3,1,1,1,1,1"]
+    # (name, SSMs, prompt lookup, datastore, sampling, expansion, node budget)
     configs = []
     for i, d in enumerate(drafters):
-        configs.append((f"ssm-{i + 1}", [d], False, greedy, default))
+        configs.append((f"ssm-{i + 1}", [d], False, None, greedy, default, 64))
     if len(drafters) > 1:
-        configs.append(("pool", drafters, False, greedy, default))
-    configs.append(("ngram", [], True, greedy, default))
+        configs.append(("pool", drafters, False, None, greedy, default, 64))
+    configs.append(("ngram", [], True, None, greedy, [0], 64))
+    configs.append(("datastore", [], False, store, greedy, [0], 64))
+    for budget in (2, 6):
+        configs.append((f"ngram+datastore, {budget} nodes", [], True, store, greedy, [0],
+                        budget))
+    configs.append(("ngram+datastore, 2 nodes T=0.7", [], True, store, stoch, [0], 2))
     if len(drafters) > 1:
-        configs.append(("ssm-1+ngram", drafters[:1], True, greedy, default))
-    configs.append(("pool+ngram", drafters, True, greedy, default))
-    configs.append(("pool+ngram T=0.7", drafters, True, stoch, default))
+        configs.append(("ssm-1+ngram", drafters[:1], True, None, greedy, default, 64))
+    configs.append(("pool+ngram", drafters, True, None, greedy, default, 64))
+    configs.append(("pool+ngram+datastore", drafters, True, store, greedy, default, 64))
+    configs.append(("pool+ngram T=0.7", drafters, True, None, stoch, default, 64))
     if drafters and not args.quick:
         for name, shape in SHAPES.items():
             if shape != default:
-                configs.append((f"pool+ngram {name}", drafters, True, greedy, shape))
-        configs.append(("pool+ngram dynamic-32", drafters, True, greedy, default))
+                configs.append((f"pool+ngram {name}", drafters, True, None, greedy, shape, 64))
+        configs.append(("pool+ngram dynamic-32", drafters, True, None, greedy, default, 64))
 
     results = {"llm": args.llm, "pool": refs, "prompts": len(prompts),
                "new_tokens": args.new_tokens, "configs": []}
@@ -136,12 +148,13 @@ def main() -> None:
     plain_tps = plain["tokens_per_s"]
     print(f"\n{'config':<32} {'acc/step':>9} {'tok/s':>7} {'vs plain':>9}")
     print(f"{'no speculation':<32} {1.0:>9.2f} {plain_tps:>7.1f} {1.0:>9.2f}")
-    for name, pool, ngram, params, shape in configs:
-        spec = SpeculatorEngine(pool, vocab, ngram=ngram, expansion=shape, max_nodes=64)
+    for name, pool, ngram, datastore, params, shape, budget in configs:
+        spec = SpeculatorEngine(pool, vocab, ngram=ngram, expansion=shape, max_nodes=64,
+                                datastore=datastore)
         for d in pool:
             d.entries.clear()
         r = run(engine, spec, prompts, args.new_tokens, params, shape,
-                dynamic=name.endswith("dynamic-32"))
+                dynamic=name.endswith("dynamic-32"), max_nodes=budget)
         r.update(config=name, expansion=shape)
         results["configs"].append(r)
         print(f"{name:<32} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "

@@ -103,63 +103,82 @@ class SpeculationPolicy:
 
     Speculation trades extra work (drafting, a wider verification) for more tokens per LLM
     step; whether that wins depends on the batch, the drafts' acceptance on this traffic
-    and the hardware. So it is measured, not assumed: a running mean of output tokens per
-    second for each arm (0 = plain decoding, then one per mode), per batch-size bucket
-    (1, 2, 3-4, 5-8, ...) and per kind of batch (all greedy or not); each step takes the
-    fastest arm. Every ``explore_every`` steps one other arm is tried (in turn), so an
-    estimate that went stale (different prompts, a colder cache) is corrected; while those
-    tries keep confirming the choice they back off to one step in ``max_explore_every``,
-    and an arm that beats the choice resets the back-off."""
+    and the hardware. So it is measured, not assumed: for each arm (0 = plain decoding,
+    then one per mode), per batch-size bucket (1, 2, 3-4, 5-8, ...) and per kind of batch
+    (all greedy or not), discounted sums of output tokens and of seconds give its rate,
+    and each step takes the fastest arm (a challenger must beat the current choice by
+    ``margin``, so noise does not flip it back and forth). Each other arm is tried every
+    ``explore_every`` steps, so an estimate that went stale (different prompts, a colder
+    cache) is corrected; an arm whose tries keep losing is tried half as often each time,
+    down to one step in ``max_explore_every``."""
 
-    def __init__(self, arms: int = 2, explore_every: int = 16, smoothing: float = 0.25,
-                 max_explore_every: int = 128) -> None:
+    def __init__(self, arms: int = 2, explore_every: int = 16, smoothing: float = 0.1,
+                 max_explore_every: int = 128, margin: float = 0.03) -> None:
         self.arms = arms
         self.explore_every = explore_every
         self.max_explore_every = max_explore_every
         self.smoothing = smoothing
-        self.rate: dict[tuple[int, bool, int], float] = {}
+        self.margin = margin
+        # (bucket, greedy, arm) -> discounted [tokens, seconds]
+        self.sums: dict[tuple[int, bool, int], list[float]] = {}
         self.choice: dict[tuple[int, bool], int] = {}
-        self.interval: dict[tuple[int, bool], int] = {}
-        self.countdown: dict[tuple[int, bool], int] = {}
-        self.next_try: dict[tuple[int, bool], int] = {}
+        # (bucket, greedy, arm) -> steps between tries of a non-chosen arm, steps to go
+        self.interval: dict[tuple[int, bool, int], int] = {}
+        self.countdown: dict[tuple[int, bool, int], int] = {}
 
     @staticmethod
     def _key(batch: int, greedy: bool) -> tuple[int, bool]:
         return 1 << max(0, batch - 1).bit_length(), greedy
 
+    def rate(self, key: tuple[int, bool], arm: int) -> float | None:
+        s = self.sums.get((*key, arm))
+        return s[0] / s[1] if s else None
+
     def choose(self, batch: int, greedy: bool) -> int:
         key = self._key(batch, greedy)
-        rates = [self.rate.get((*key, arm)) for arm in range(self.arms)]
+        rates = [self.rate(key, arm) for arm in range(self.arms)]
         # Measure every arm first: the speculating ones, then plain decoding.
         for arm in [*range(1, self.arms), 0]:
             if rates[arm] is None:
                 return arm
+        current = self.choice.get(key)
         best = max(range(self.arms), key=lambda arm: (rates[arm], -arm))
-        if self.choice.get(key) != best:  # a new decision: check it again soon
-            self.choice[key] = best
-            self._explore_after(key, self.explore_every)
-        self.countdown[key] -= 1
-        if self.countdown[key] > 0:
-            return best
-        self._explore_after(key, min(2 * self.interval[key], self.max_explore_every))
-        others = [arm for arm in range(self.arms) if arm != best]
-        turn = self.next_try.get(key, 0)
-        self.next_try[key] = turn + 1
-        return others[turn % len(others)]
+        if current is None or rates[best] > rates[current] * (1 + self.margin):
+            if current is not None:
+                log.info("speculation policy: new choice", extra={
+                    "batch_bucket": key[0], "greedy": key[1], "arm": best,
+                    "tokens_per_s": [round(r, 1) for r in rates]})
+                self._try_after((*key, current), self.explore_every)
+            self.choice[key] = current = best
+            for arm in range(self.arms):
+                if (*key, arm) not in self.countdown:
+                    self._try_after((*key, arm), self.explore_every)
+        due = None
+        for arm in range(self.arms):
+            if arm != current:
+                self.countdown[(*key, arm)] -= 1
+                if self.countdown[(*key, arm)] <= 0 and due is None:
+                    due = arm
+        if due is None:
+            return current
+        slot = (*key, due)
+        self._try_after(slot, min(2 * self.interval[slot], self.max_explore_every))
+        return due
 
-    def _explore_after(self, key: tuple[int, bool], steps: int) -> None:
-        self.interval[key] = self.countdown[key] = steps
+    def _try_after(self, slot: tuple[int, bool, int], steps: int) -> None:
+        self.interval[slot] = self.countdown[slot] = steps
 
     def record(self, batch: int, greedy: bool, arm: int, tokens: int, seconds: float) -> None:
         if seconds <= 0:
             return
         key = self._key(batch, greedy)
-        rate = tokens / seconds
-        old = self.rate.get((*key, arm))
-        self.rate[(*key, arm)] = rate if old is None else old + self.smoothing * (rate - old)
-        best = self.choice.get(key)
-        if best is not None and arm != best and rate > self.rate[(*key, best)]:
-            self._explore_after(key, self.explore_every)  # another arm may have caught up
+        s = self.sums.setdefault((*key, arm), [0.0, 0.0])
+        s[0] = (1 - self.smoothing) * s[0] + tokens
+        s[1] = (1 - self.smoothing) * s[1] + seconds
+        current = self.choice.get(key)
+        if current is not None and arm != current and self.rate(key, arm) > \
+                self.rate(key, current):
+            self._try_after((*key, arm), self.explore_every)  # it may have caught up
 
 
 class Scheduler:
