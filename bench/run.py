@@ -253,7 +253,8 @@ def main() -> None:
     print(f"\nwrote {out}/results.json, report.md and plots")
 
 
-def load_test(addr: str, b: Bench, prompts, levels: list[int]) -> list[dict]:
+def load_test(addr: str, b: Bench, prompts, levels: list[int], reps: int = 3) -> list[dict]:
+    """Each level ``reps`` times, speculation off and on interleaved; medians and spread."""
     from specinfer.client import AsyncClient
 
     async def one(client, ids, spec):
@@ -273,20 +274,29 @@ def load_test(addr: str, b: Bench, prompts, levels: list[int]) -> list[dict]:
                                          for i in range(n)))
             wall = time.perf_counter() - t
         tpots = sorted(r[2] for r in res if r[2] is not None)
-        return {"concurrency": n, "speculation": spec,
-                "output_tokens_per_s": sum(r[0] for r in res) / wall,
+        return {"output_tokens_per_s": sum(r[0] for r in res) / wall,
                 "tpot_p50_ms": tpots[len(tpots) // 2] * 1e3,
                 "tpot_p99_ms": tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))] * 1e3,
                 "ttft_p50_s": statistics.median(r[1] for r in res if r[1] is not None)}
 
     rows = []
-    print(f"\n{'streams':>7} {'spec':>5} {'out tok/s':>10} {'TPOT p50':>9} {'p99':>7} {'TTFT':>6}")
+    print(f"\n{'streams':>7} {'spec':>5} {'out tok/s':>10} {'spread':>13} {'TPOT p50':>9} "
+          f"{'p99':>7} {'TTFT':>6}")
     for n in levels:
+        runs: dict[bool, list[dict]] = {False: [], True: []}
+        for _ in range(reps):  # interleaved: off, on, off, on, ...
+            for spec in (False, True):
+                runs[spec].append(asyncio.run(level(n, spec)))
         for spec in (False, True):
-            r = asyncio.run(level(n, spec))
+            r = {"concurrency": n, "speculation": spec, "runs": len(runs[spec])}
+            for k in runs[spec][0]:
+                r[k] = statistics.median(x[k] for x in runs[spec])
+            tps = [x["output_tokens_per_s"] for x in runs[spec]]
+            r["spread"] = [min(tps), max(tps)]
             rows.append(r)
             print(f"{n:>7} {str(spec):>5} {r['output_tokens_per_s']:>10.1f} "
-                  f"{r['tpot_p50_ms']:>9.0f} {r['tpot_p99_ms']:>7.0f} {r['ttft_p50_s']:>6.2f}")
+                  f"{min(tps):>6.1f}–{max(tps):<6.1f} {r['tpot_p50_ms']:>9.0f} "
+                  f"{r['tpot_p99_ms']:>7.0f} {r['ttft_p50_s']:>6.2f}")
     return rows
 
 
@@ -336,12 +346,15 @@ def write_report(results: dict, out: Path) -> None:
         fig.savefig(out / fname, dpi=110)
         plt.close(fig)
         lines += [f"![{mode}]({fname})", ""]
-    lines += ["## Under load (stack)", "", "| streams | speculation | out tok/s | TPOT p50 ms | "
-              "TPOT p99 ms | TTFT p50 s |", "|---|---|---|---|---|---|"]
+    lines += ["## Under load (stack)", "", "Medians of interleaved runs (off, on, off, on, ...).",
+              "", "| streams | speculation | out tok/s | spread | TPOT p50 ms | TPOT p99 ms | "
+              "TTFT p50 s |", "|---|---|---|---|---|---|---|"]
     for r in results["load"]:
+        lo, hi = r.get("spread", [r["output_tokens_per_s"]] * 2)
         lines.append(f"| {r['concurrency']} | {r['speculation']} | "
-                     f"{r['output_tokens_per_s']:.1f} | {r['tpot_p50_ms']:.0f} | "
-                     f"{r['tpot_p99_ms']:.0f} | {r['ttft_p50_s']:.2f} |")
+                     f"{r['output_tokens_per_s']:.1f} | {lo:.1f}–{hi:.1f} | "
+                     f"{r['tpot_p50_ms']:.0f} | {r['tpot_p99_ms']:.0f} | "
+                     f"{r['ttft_p50_s']:.2f} |")
     if "shapes" in results:
         lines += ["", "## Tree shapes (engine-only, greedy)", "",
                   "| shape | accepted/step | tok/s |", "|---|---|---|"]

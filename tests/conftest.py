@@ -62,6 +62,16 @@ def tiny_chat_llm(tmp_path_factory) -> str:
     return save_tiny_chat_llm(tmp_path_factory.mktemp("tiny-chat-llm"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_datastore() -> None:
+    """Build (or find cached) the speculator's ShareGPT datastore for SmolLM2's tokenizer
+    before any stack starts, so no speculator spends its start-up building it."""
+    from specinfer.datastore import sharegpt_datastore
+    from specinfer.models import DEFAULT_LLM, load_tokenizer
+
+    sharegpt_datastore(load_tokenizer(DEFAULT_LLM))
+
+
 def decoy_tree(truth: list[int], vocab: int, gen: torch.Generator):
     """A tree holding ``truth`` (the LLM's own continuation) among random decoys at random
     positions, going wrong at a random depth: accepted paths are often not the leftmost."""

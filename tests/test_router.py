@@ -20,7 +20,7 @@ from specinfer.stack import stop_processes
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_chat_llm):
+def stack(tiny_chat_llm, smollm2_datastore):
     """Verifiers and a speculator as `specinfer serve ...` processes, and the router."""
     procs, verifiers = [], []
     exe = [sys.executable, "-m", "specinfer", "serve"]

@@ -23,7 +23,7 @@ NEW = 48
 
 
 @pytest.fixture(scope="module")
-def up():
+def up(smollm2_datastore):
     port, http = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specinfer", "up", "--port", str(port),
                              "--http-port", str(http), "--slots", "4", "--max-context",
