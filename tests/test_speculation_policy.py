@@ -33,14 +33,24 @@ def test_chooses_among_several_modes_and_tries_each_in_turn():
 
 
 def test_exploration_backs_off_while_it_confirms_the_decision():
-    policy = SpeculationPolicy(2, explore_every=8, max_explore_every=64)
+    policy = SpeculationPolicy(2, explore_every=8, max_explore_every=64, explore_cost=1.0)
     arms = run(policy, 1, [10, 8], steps=2 + 8 + 16 + 32 + 64 + 64)
     explored = [i for i, a in enumerate(arms[2:], 1) if a == 1]
     assert explored == [8, 24, 56, 120, 184]  # 8, 16, 32, 64, then capped at 64
 
 
+def test_an_arm_that_loses_by_far_is_tried_rarely_from_the_start():
+    policy = SpeculationPolicy(3, explore_every=8, max_explore_every=128, explore_cost=0.02)
+    arms = run(policy, 1, [10, 9, 4], steps=3 + 200)
+    rest = arms[3:]
+    # Arm 2 runs at 0.4x: a try costs 1.5 steps, so tries come >= 75 steps apart.
+    tries = [i for i, a in enumerate(rest) if a == 2]
+    assert len(tries) == 2 and tries[1] - tries[0] >= 75
+    assert rest.count(1) == 4  # the close arm: tried after 8, 16, 32, 64 steps
+
+
 def test_an_exploration_that_wins_resets_the_backoff():
-    policy = SpeculationPolicy(2, explore_every=4, max_explore_every=64)
+    policy = SpeculationPolicy(2, explore_every=4, max_explore_every=64, explore_cost=1.0)
     run(policy, 1, [10, 8], steps=2 + 4 + 8 + 16)  # backed off to 32
     assert policy.interval[(*policy._key(1, True), 1)] == 32
     policy.record(1, True, 1, tokens=40, seconds=1.0)  # speculation now beats plain

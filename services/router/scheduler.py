@@ -110,11 +110,15 @@ class SpeculationPolicy:
     ``margin``, so noise does not flip it back and forth). Each other arm is tried every
     ``explore_every`` steps, so an estimate that went stale (different prompts, a colder
     cache) is corrected; an arm whose tries keep losing is tried half as often each time,
-    down to one step in ``max_explore_every``."""
+    down to one step in ``max_explore_every``, and an arm that loses by far is tried less
+    often from the start: a try of an arm at a fraction f of the best rate costs about
+    1/f - 1 steps, kept under ``explore_cost`` of the steps between tries."""
 
     def __init__(self, arms: int = 2, explore_every: int = 16, smoothing: float = 0.1,
-                 max_explore_every: int = 128, margin: float = 0.03) -> None:
+                 max_explore_every: int = 128, margin: float = 0.03,
+                 explore_cost: float = 0.01) -> None:
         self.arms = arms
+        self.explore_cost = explore_cost
         self.explore_every = explore_every
         self.max_explore_every = max_explore_every
         self.smoothing = smoothing
@@ -162,8 +166,15 @@ class SpeculationPolicy:
         if due is None:
             return current
         slot = (*key, due)
-        self._try_after(slot, min(2 * self.interval[slot], self.max_explore_every))
+        self._try_after(slot, min(max(2 * self.interval[slot], self._affordable(rates, due)),
+                                  self.max_explore_every))
         return due
+
+    def _affordable(self, rates: list[float], arm: int) -> int:
+        """Steps between tries of ``arm`` that keep their cost under ``explore_cost``."""
+        best = max(rates)
+        loss = best / rates[arm] - 1 if rates[arm] > 0 else float("inf")
+        return int(min(self.max_explore_every, loss / self.explore_cost))
 
     def _try_after(self, slot: tuple[int, bool, int], steps: int) -> None:
         self.interval[slot] = self.countdown[slot] = steps
