@@ -23,9 +23,10 @@ from specinfer.sampling import SamplingParams
 from specinfer.ssm import DraftRequest, SSMDrafter
 from specinfer.tree import TokenTree, merge_trees
 
-# Measured fastest here (bench/speculator.py, bench/results/speculator): with drafts
-# accepted ~1.7 per step, each extra level costs more than it gains; wider trees accept
-# more (w4-d3: 1.88) but cost more to draft and verify.
+# The SSM tree (the router's "tree" mode): chains of 3 per SSM measured fastest among SSM
+# trees here (bench/speculator.py, bench/results/speculator); wider trees accept more
+# (w4-d3: 1.88) but cost more to draft and verify. On a CPU verifier no SSM tree beats
+# plain decoding; the router's model-free "lookup" modes (expansion [0]) do.
 DEFAULT_EXPANSION = [1, 1, 1]
 
 
