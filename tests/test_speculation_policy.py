@@ -68,6 +68,15 @@ def test_noise_within_the_margin_does_not_flip_the_choice():
     assert policy.choose(1, greedy=True) == 0
 
 
+def test_an_arm_that_lost_by_far_at_a_smaller_batch_starts_as_a_loser():
+    policy = SpeculationPolicy(3, explore_every=8, max_explore_every=64)
+    run(policy, 1, [10, 12, 5], steps=20)  # arm 2 at 0.42x the best at batch 1
+    arms = run(policy, 2, [10, 11, 5], steps=70)
+    assert arms[:2] == [1, 0]  # arm 2 is not measured first at batch 2...
+    assert 2 not in arms[:60] and 2 in arms[60:]  # ...but tried after max_explore_every
+    assert policy.choose(4, greedy=False) == 1  # other kinds of batch: measured as usual
+
+
 def test_batch_sizes_and_kinds_are_measured_apart():
     policy = SpeculationPolicy(2, explore_every=1000)
     run(policy, 1, [10, 30], steps=10)

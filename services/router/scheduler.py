@@ -141,22 +141,26 @@ class SpeculationPolicy:
     def choose(self, batch: int, greedy: bool) -> int:
         key = self._key(batch, greedy)
         rates = [self.rate(key, arm) for arm in range(self.arms)]
-        # Measure every arm first: the speculating ones, then plain decoding.
+        # Measure every arm first (the speculating ones, then plain decoding), except one
+        # that lost by far at the next smaller batch size: speculation pays less as the
+        # batch grows, so it starts as a loser here and is only tried rarely.
         for arm in [*range(1, self.arms), 0]:
-            if rates[arm] is None:
+            if rates[arm] is None and not self._lost_below(key, arm):
                 return arm
+        known = [arm for arm in range(self.arms) if rates[arm] is not None]
         current = self.choice.get(key)
-        best = max(range(self.arms), key=lambda arm: (rates[arm], -arm))
+        best = max(known, key=lambda arm: (rates[arm], -arm))
         if current is None or rates[best] > rates[current] * (1 + self.margin):
             if current is not None:
                 log.info("speculation policy: new choice", extra={
                     "batch_bucket": key[0], "greedy": key[1], "arm": best,
-                    "tokens_per_s": [round(r, 1) for r in rates]})
+                    "tokens_per_s": [None if r is None else round(r, 1) for r in rates]})
                 self._try_after((*key, current), self.explore_every)
             self.choice[key] = current = best
             for arm in range(self.arms):
                 if (*key, arm) not in self.countdown:
-                    self._try_after((*key, arm), self.explore_every)
+                    self._try_after((*key, arm), self.explore_every if arm in known
+                                    else self.max_explore_every)
         due = None
         for arm in range(self.arms):
             if arm != current:
@@ -170,10 +174,20 @@ class SpeculationPolicy:
                                   self.max_explore_every))
         return due
 
-    def _affordable(self, rates: list[float], arm: int) -> int:
+    def _lost_below(self, key: tuple[int, bool], arm: int, by: float = 0.7) -> bool:
+        """Whether ``arm`` ran below ``by`` times the best arm at half this batch size."""
+        if key[0] <= 1 or arm == 0:
+            return False
+        smaller = (key[0] // 2, key[1])
+        rates = [r for r in (self.rate(smaller, a) for a in range(self.arms)) if r is not None]
+        mine = self.rate(smaller, arm)
+        return mine is not None and mine < by * max(rates)
+
+    def _affordable(self, rates: list[float | None], arm: int) -> int:
         """Steps between tries of ``arm`` that keep their cost under ``explore_cost``."""
-        best = max(rates)
-        loss = best / rates[arm] - 1 if rates[arm] > 0 else float("inf")
+        best = max(r for r in rates if r is not None)
+        rate = rates[arm]
+        loss = best / rate - 1 if rate else float("inf")
         return int(min(self.max_explore_every, loss / self.explore_cost))
 
     def _try_after(self, slot: tuple[int, bool, int], steps: int) -> None:
