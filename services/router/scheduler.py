@@ -175,13 +175,19 @@ class SpeculationPolicy:
         return due
 
     def _lost_below(self, key: tuple[int, bool], arm: int, by: float = 0.7) -> bool:
-        """Whether ``arm`` ran below ``by`` times the best arm at half this batch size."""
-        if key[0] <= 1 or arm == 0:
+        """Whether ``arm`` ran below ``by`` times the best arm at the nearest smaller batch
+        size where it was measured."""
+        if arm == 0:
             return False
-        smaller = (key[0] // 2, key[1])
-        rates = [r for r in (self.rate(smaller, a) for a in range(self.arms)) if r is not None]
-        mine = self.rate(smaller, arm)
-        return mine is not None and mine < by * max(rates)
+        bucket = key[0] // 2
+        while bucket >= 1:
+            smaller = (bucket, key[1])
+            mine = self.rate(smaller, arm)
+            if mine is not None:
+                rates = [self.rate(smaller, a) for a in range(self.arms)]
+                return mine < by * max(r for r in rates if r is not None)
+            bucket //= 2
+        return False
 
     def _affordable(self, rates: list[float | None], arm: int) -> int:
         """Steps between tries of ``arm`` that keep their cost under ``explore_cost``."""
