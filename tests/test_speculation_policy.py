@@ -74,7 +74,7 @@ def test_an_arm_that_lost_by_far_at_a_smaller_batch_starts_as_a_loser():
     arms = run(policy, 2, [10, 11, 5], steps=70)
     assert arms[:2] == [1, 0]  # arm 2 is not measured first at batch 2...
     assert 2 not in arms[:60] and 2 in arms[60:]  # ...but tried after max_explore_every
-    assert policy.choose(8, greedy=True) == 1  # batch 8: the nearest measured size (1) says
+    assert policy.choose(8, greedy=True) == 1  # batch 8: the nearest measured size (2) says
     assert policy.choose(4, greedy=False) == 1  # other kinds of batch: measured as usual
 
 
