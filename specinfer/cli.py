@@ -89,7 +89,7 @@ def build_speculator(args: argparse.Namespace):
     expansion = [int(x) for x in (args.expansion or "").split(",") if x.strip()] or None
     datastore = _datastore(args.datastore, args.llm)
     log.info("speculator ready", extra={"ssms": len(pool), "ngram": not args.no_ngram,
-                                        "datastore": len(datastore) if datastore else 0,
+                                        "datastore": 0 if datastore is None else len(datastore),
                                         "expansion": expansion})
     return SpeculatorEngine(pool, vocab, ngram=not args.no_ngram, expansion=expansion,
                             max_nodes=args.max_nodes, datastore=datastore)

@@ -23,19 +23,22 @@ import numpy as np
 
 from specinfer.tree import ROOT, Draft, TokenTree
 
-_MULT = np.uint64(0x9E3779B97F4A7C15)  # 64-bit golden-ratio multiplier
+_MULT = 0x9E3779B97F4A7C15  # 64-bit golden-ratio multiplier
+_MASK = (1 << 64) - 1
 
 
 def _mix(h: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """One hashing step for many contexts at once (the build)."""
     with np.errstate(over="ignore"):
-        return (h ^ (tokens.astype(np.uint64) + np.uint64(1))) * _MULT
+        return (h ^ (tokens.astype(np.uint64) + np.uint64(1))) * np.uint64(_MULT)
 
 
 def context_hash(tokens: Sequence[int]) -> int:
-    h = np.zeros(1, dtype=np.uint64)
+    """The same hash for one context (a lookup): plain integers, wrapping at 64 bits."""
+    h = 0
     for t in tokens:
-        h = _mix(h, np.array([t]))
-    return int(h[0])
+        h = ((h ^ (t + 1)) * _MULT) & _MASK
+    return h
 
 
 class NgramDatastore:
@@ -97,7 +100,7 @@ class NgramDatastore:
             if tok is None:
                 break
             out.append(tok)
-            ctx = ctx[1:] + [tok] if len(ctx) >= self.max_n else ctx + [tok]
+            ctx = (ctx + [tok])[-self.max_n:]
         return out
 
     def tree(self, context: Sequence[int], depth: int, source: int,

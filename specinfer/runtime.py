@@ -81,11 +81,7 @@ class Gemm:
                 start = time.perf_counter()
                 for m in modules:
                     x = xs[m.in_features]
-                    if packed:
-                        torch.ops.mkldnn._linear_pointwise(x, self.packed[id(m)], m.bias,
-                                                           "none", [], "")
-                    else:
-                        F.linear(x, m.weight, m.bias)
+                    self._onednn(m, x) if packed else F.linear(x, m.weight, m.bias)
                 best = min(best, time.perf_counter() - start)
             return best
 
@@ -93,16 +89,19 @@ class Gemm:
             rows = 1
             while rows < max_rows and best_of(rows + 1, False) < best_of(rows + 1, True):
                 rows += 1
-        log.info("linear layers: BLAS up to %d rows, oneDNN beyond (measured)", rows)
+        log.info("linear layers: BLAS up to the measured crossover, oneDNN beyond",
+                 extra={"blas_rows": rows})
         return rows
 
+    def _onednn(self, module: torch.nn.Linear, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(flat, self.packed[id(module)], module.bias,
+                                                  "none", [], "")
+
     def __call__(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed.get(id(module))
         rows = x.numel() // x.shape[-1]
-        if packed is None or rows <= self.blas_rows:
+        if id(module) not in self.packed or rows <= self.blas_rows:
             return module(x)
-        flat = x.reshape(rows, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(flat, packed, module.bias, "none", [], "")
+        out = self._onednn(module, x.reshape(rows, x.shape[-1]))
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

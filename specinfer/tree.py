@@ -156,7 +156,7 @@ def merge_trees(trees: Sequence[TokenTree], max_nodes: int | None = None) -> Tok
         for tok, par, drafts in zip(tree.tokens, tree.parents, tree.drafts, strict=True):
             parent = ROOT if par == ROOT else remap[par]
             full = max_nodes is not None and len(merged) >= max_nodes
-            if parent is None or full and merged.child(parent, tok) is None:
+            if parent is None or (full and merged.child(parent, tok) is None):
                 remap.append(None)  # over budget: this node and its subtree are left out
                 continue
             remap.append(merged.add(parent, tok, drafts))

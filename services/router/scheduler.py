@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specinfer.errors import InvalidArgument, ResourceExhausted, ServiceError
 from specinfer.grpc_server import CHANNEL_OPTIONS
@@ -261,24 +262,19 @@ class Scheduler:
     async def _await_speculators(self, timeout_s: float = 180.0) -> None:
         """Give starting speculators (loading SSMs, building the datastore on a first run)
         time to report SERVING; one that never does is failed over like a dead one."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        deadline = time.monotonic() + timeout_s
-        for i, channel in enumerate(self.spec_channels):
+        async def serving(i: int, channel: grpc.aio.Channel) -> None:
             stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                try:
-                    status = (await stub.Check(health_pb2.HealthCheckRequest(),
-                                               timeout=2)).status
-                    if status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.aio.AioRpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    log.warning("speculator not serving; starting without it",
-                                extra={"speculator": i})
-                    break
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                with contextlib.suppress(grpc.aio.AioRpcError):  # not listening yet
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
                 await asyncio.sleep(0.5)
+            log.warning("speculator not serving; starting without it", extra={"speculator": i})
+
+        await asyncio.gather(*(serving(i, c) for i, c in enumerate(self.spec_channels)))
 
     async def close(self) -> None:
         if self.task:

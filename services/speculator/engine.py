@@ -58,10 +58,9 @@ class SpeculatorEngine:
         self.ngram_branches = ngram_branches
         self.datastore = datastore
         self.datastore_depth = datastore_depth
-
-    @property
-    def num_sources(self) -> int:
-        return len(self.pool) + (1 if self.ngram else 0) + (1 if self.datastore is not None else 0)
+        self.ngram_source = len(pool)
+        self.datastore_source = len(pool) + (1 if ngram else 0)
+        self.model_free_sources = (1 if ngram else 0) + (1 if datastore is not None else 0)
 
     def validate(self, specs: list[SpeculateSpec]) -> None:
         for i, s in enumerate(specs):
@@ -90,7 +89,7 @@ class SpeculatorEngine:
         self.validate(specs)
         budgets = [(s.max_nodes or self.max_nodes) for s in specs]
         use_ssm = [any(w > 0 for w in (s.expansion or self.expansion)) for s in specs]
-        cheap = (1 if self.ngram else 0) + (1 if self.datastore is not None else 0)
+        cheap = self.model_free_sources
         shares = [max(1, b // max(1, cheap + (len(self.pool) if ssm else 0)))
                   for b, ssm in zip(budgets, use_ssm, strict=True)]
         trees: list[list[TokenTree]] = [[] for _ in specs]
@@ -100,13 +99,12 @@ class SpeculatorEngine:
         for i, s in enumerate(specs):
             cheap_trees = []
             if self.datastore is not None:
-                source = len(self.pool) + (1 if self.ngram else 0)
                 cheap_trees.append(self.datastore.tree(s.context, self.datastore_depth,
-                                                       source, self.vocab_size))
+                                                       self.datastore_source, self.vocab_size))
             if self.ngram:
                 cheap_trees.append(ngram_tree(s.context, self.ngram_depth,
                                               branches=self.ngram_branches,
-                                              source=len(self.pool), max_nodes=budgets[i]))
+                                              source=self.ngram_source, max_nodes=budgets[i]))
             if cheap_trees:
                 trees[i].append(merge_trees(cheap_trees, max_nodes=shares[i] * cheap))
 
