@@ -86,6 +86,9 @@ class Completion:
     accepted_per_step: list[int] = field(default_factory=list)
     dtype: str = ""
     stats: Stats | None = None
+    # With logprobs=N: one specinfer.v1.TokenLogprob per token id (.logprob,
+    # .top_token_ids, .top_logprobs), the LLM's raw log-softmax.
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -94,11 +97,12 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str = ""
     stats: Stats | None = None  # on the last chunk
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
 
 def _chunk(msg) -> Chunk:
     return Chunk(msg.text, list(msg.token_ids), msg.finish_reason,
-                 Stats.of(msg.stats) if msg.finish_reason else None)
+                 Stats.of(msg.stats) if msg.finish_reason else None, list(msg.logprobs))
 
 
 def build_request(prompt: str | None = None, *, messages: list[dict] | None = None,
@@ -106,12 +110,16 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
                   temperature: float = 0.0, top_p: float | None = None, top_k: int = 0,
                   min_p: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
                   stop_token_ids: list[int] | None = None, speculation: bool = True,
-                  session_id: str = "", model: str = "") -> router_pb2.GenerateRequest:
+                  session_id: str = "", model: str = "",
+                  logprobs: int | None = None) -> router_pb2.GenerateRequest:
+    """``logprobs``: return each token's log-probability and this many alternatives."""
     sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p)
     if top_p is not None:
         sampling.top_p = top_p
     if seed is not None:
         sampling.seed = seed
+    if logprobs is not None:
+        sampling.logprobs = logprobs
     req = router_pb2.GenerateRequest(max_tokens=max_tokens, stop=stop or [],
                                      stop_token_ids=stop_token_ids or [], sampling=sampling,
                                      speculation=speculation, session_id=session_id,
@@ -128,7 +136,8 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
 def _completion(resp: router_pb2.GenerateResponse) -> Completion:
     return Completion(resp.text, list(resp.token_ids), resp.finish_reason,
                       resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.stats.steps,
-                      list(resp.stats.accepted_per_step), resp.dtype, Stats.of(resp.stats))
+                      list(resp.stats.accepted_per_step), resp.dtype, Stats.of(resp.stats),
+                      list(resp.logprobs))
 
 
 class Client:

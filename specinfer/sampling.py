@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+
 
 class InvalidSamplingParams(ValueError):
     """A sampling field is out of range; the message names the field."""
@@ -24,6 +26,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     seed: int | None = None
+    logprobs: int | None = None  # report log-probabilities with this many alternatives
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and self.temperature < float("inf")):
@@ -36,6 +39,9 @@ class SamplingParams:
             raise InvalidSamplingParams(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise InvalidSamplingParams(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidSamplingParams(f"logprobs must be in [0, {MAX_LOGPROBS}], "
+                                        f"got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -58,6 +64,7 @@ class SamplingParams:
             top_p=msg.top_p if msg.HasField("top_p") else 1.0,
             min_p=msg.min_p,
             seed=msg.seed if msg.HasField("seed") else None,
+            logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         )
 
 
@@ -86,6 +93,30 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely tokens at its position."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Log-probabilities of ``tokens[i]`` under ``logits[i]`` (``[n, V]``), the LLM's raw
+    distribution (before temperature and truncation, as vLLM and OpenAI report them), with
+    the ``top`` most likely tokens of each row."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1).tolist()
+    if top:
+        values, ids = logp.topk(top, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    else:
+        values = ids = [[] for _ in tokens]
+    return [TokenLogprob(lp, tuple(i), tuple(v)) for lp, i, v in zip(chosen, ids, values,
+                                                                     strict=True)]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

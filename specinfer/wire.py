@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specinfer.sampling import SamplingParams
+from specinfer.sampling import SamplingParams, TokenLogprob
 from specinfer.tree import Draft, TokenTree
 from specinfer.v1 import common_pb2
 
@@ -13,6 +13,15 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, field: str) -> SamplingP
         return SamplingParams.from_proto(msg)
     except ValueError as exc:
         raise ValueError(f"{field}.{exc}") from exc
+
+
+def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_ids,
+                                   top_logprobs=lp.top_logprobs)
+
+
+def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.logprob, tuple(msg.top_token_ids), tuple(msg.top_logprobs))
 
 
 def tree_to_proto(tree: TokenTree) -> common_pb2.TokenTree:

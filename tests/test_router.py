@@ -106,6 +106,59 @@ def test_openai_client_plain_and_streaming(stack, reference):
     assert chunks[-1].usage.completion_tokens == 12
 
 
+def test_logprobs_are_the_same_with_speculation_on_and_off(stack, reference):
+    """The SDK's logprobs: one per token, the chosen greedy token the most likely, and the
+    same values whether the tokens came from verified trees or one-token steps."""
+    with Client(stack["addr"]) as c:
+        on = c.generate(PROMPTS[1], max_tokens=24, logprobs=2)
+        off = c.generate(PROMPTS[1], max_tokens=24, logprobs=2, speculation=False)
+        streamed = [lp for ch in c.stream(PROMPTS[1], max_tokens=24, logprobs=2)
+                    for lp in ch.logprobs]
+    assert on.token_ids == off.token_ids == reference[PROMPTS[1]]
+    assert on.stats.speculative_steps > 0
+    for lps in (on.logprobs, off.logprobs, streamed):
+        assert len(lps) == 24
+    for tok, a, b, s in zip(on.token_ids, on.logprobs, off.logprobs, streamed, strict=True):
+        assert a.top_token_ids[0] == tok and len(a.top_token_ids) == 2
+        assert a.logprob == pytest.approx(a.top_logprobs[0]) and a.logprob <= 0
+        assert a.top_logprobs[0] >= a.top_logprobs[1]
+        assert list(a.top_token_ids) == list(b.top_token_ids) == list(s.top_token_ids)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+        assert a.logprob == pytest.approx(s.logprob, abs=1e-3)
+    assert Client(stack["addr"]).generate(PROMPTS[1], max_tokens=4).logprobs == []
+
+
+def test_openai_logprobs_plain_and_streaming(stack):
+    import openai
+
+    client = openai.OpenAI(base_url=stack["http"] + "/v1", api_key="unused")
+    with Client(stack["addr"]) as c:
+        sdk = c.generate(PROMPTS[0], max_tokens=12, logprobs=3)
+        chat_sdk = c.generate(messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+                              logprobs=2)
+    out = client.completions.create(prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                    logprobs=3, model=client.models.list().data[0].id)
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in sdk.logprobs], abs=1e-3)
+    assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == 12
+    assert all(1 <= len(top) <= 4 for top in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    kw = dict(model=client.models.list().data[0].id, max_tokens=12, temperature=0,
+              messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = [e for ch in client.chat.completions.create(**kw, stream=True)
+                if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]
+    for entries in (chat, streamed):
+        assert [e.logprob for e in entries] == pytest.approx(
+            [x.logprob for x in chat_sdk.logprobs], abs=1e-3)
+        assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+                   and e.bytes == list(e.token.encode()) for e in entries)
+    status, payload = http_post(stack["http"] + "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}).encode())
+    assert status == 400 and payload["error"]["param"] == "top_logprobs"
+
+
 def test_openai_n_choices_are_seeded_and_stream_interleaved(stack):
     import openai
 
@@ -158,6 +211,8 @@ def http_post(url: str, data: bytes) -> tuple[int, dict]:
     (b'{"prompt": "hi", "top_p": 1.5}', "top_p"),
     (b'{"prompt": "hi", "model": "gpt-7"}', "model"),
     (b'{"prompt": "hi", "n": 9}', "n"),
+    (b'{"prompt": "hi", "logprobs": 21}', "logprobs"),
+    (b'{"prompt": "hi", "logprobs": "yes"}', "logprobs"),
     (b'{"prompt": "hi", ', "body"),
     (b'{"prompt": "\xff\xfe"}', "body"),
     (b'{"prompt": "' + b"word " * 600 + b'"}', "prompt"),
@@ -171,7 +226,7 @@ def test_bad_http_input_gets_openai_errors(stack, body, param):
 def test_bad_grpc_input_is_invalid_argument(stack):
     with Client(stack["addr"]) as c:
         for kwargs in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=1.5),
-                       dict(model="nope")):
+                       dict(model="nope"), dict(logprobs=21)):
             with pytest.raises(InvalidRequestError):
                 c.generate("hello", **{"max_tokens": 4, **kwargs})
         with pytest.raises(InvalidRequestError):

@@ -72,6 +72,32 @@ def test_incremental_decoding_equals_transformers_generate(engine, hf_model):
         assert res.accepted_per_step == [1] * 24
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_are_the_llms_log_softmax_at_each_accepted_token(engine, hf_model,
+                                                                  temperature):
+    """Speculative steps report, for every emitted token (accepted drafts and the bonus),
+    its log-probability and the top 3 under the LLM at that position: the rows of the
+    accepted path, not of the tree's other nodes."""
+    prompts = [[5, 9, 2, 77], [3] * 12]
+    params = SamplingParams(temperature=temperature, seed=4, logprobs=3)
+    results = generate_local(engine, prompts, 24, trees=noisy_oracle(hf_model, 2),
+                             params=params)
+    assert sum(r.steps for r in results) < sum(len(r.token_ids) - 1 for r in results)
+    for prompt, res in zip(prompts, results, strict=True):
+        assert len(res.logprobs) == len(res.token_ids)
+        with torch.no_grad():
+            seq = torch.tensor([prompt + res.token_ids])
+            logp = torch.log_softmax(hf_model(seq).logits[0].float(), -1)
+        for i, (tok, lp) in enumerate(zip(res.token_ids, res.logprobs, strict=True)):
+            row = logp[len(prompt) - 1 + i]
+            assert lp.logprob == pytest.approx(float(row[tok]), abs=TOL)
+            top = row.topk(3)
+            assert list(lp.top_ids) == top.indices.tolist()
+            assert list(lp.top_logprobs) == pytest.approx(top.values.tolist(), abs=TOL)
+    plain = generate_local(engine, prompts[:1], 4, trees=noisy_oracle(hf_model, 2))
+    assert plain[0].logprobs == []
+
+
 def test_kv_after_a_non_leftmost_path_equals_a_fresh_prefill(engine, hf_model):
     prompt = [7, 3, 99, 45, 12, 8]
     first = engine.prefill([PrefillSpec("s", prompt)])[0].token

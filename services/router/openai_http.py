@@ -15,7 +15,7 @@ from aiohttp import web
 from services.router.scheduler import GenRequest, Scheduler
 from services.router.server import MAX_TOKENS_LIMIT, Frontend, Generation
 from specinfer.errors import InvalidArgument, ServiceError
-from specinfer.sampling import SamplingParams
+from specinfer.sampling import MAX_LOGPROBS, SamplingParams
 
 
 def _error(status: int, message: str, param: str | None = None,
@@ -45,9 +45,27 @@ def _choices(body: dict) -> int:
     return n
 
 
-def _params(body: dict) -> SamplingParams:
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
-        raise InvalidArgument("logprobs", "log probabilities are not supported yet")
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token to report, or None for no logprobs: chat takes
+    ``logprobs: true`` with ``top_logprobs: N``, completions ``logprobs: N``."""
+    field = "top_logprobs" if chat else "logprobs"
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise InvalidArgument("logprobs", "must be a boolean")
+        if body.get("top_logprobs") is not None and not wanted:
+            raise InvalidArgument("top_logprobs", "needs logprobs: true")
+        if not wanted:
+            return None
+    elif body.get("logprobs") is None:
+        return None
+    top = _number(body, field, 0, int)
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidArgument(field, f"must be an integer in 0..{MAX_LOGPROBS}")
+    return top
+
+
+def _params(body: dict, chat: bool) -> SamplingParams:
     temperature = _number(body, "temperature", 1.0)
     top_p = _number(body, "top_p", 1.0)
     seed = body.get("seed")
@@ -55,7 +73,8 @@ def _params(body: dict) -> SamplingParams:
         raise InvalidArgument("seed", "must be a non-negative integer")
     try:
         return SamplingParams(temperature=temperature, top_k=_number(body, "top_k", 0, int),
-                              top_p=top_p, min_p=_number(body, "min_p", 0.0), seed=seed)
+                              top_p=top_p, min_p=_number(body, "min_p", 0.0), seed=seed,
+                              logprobs=_logprobs(body, chat))
     except ValueError as exc:
         field = str(exc).split(" ", 1)[0]
         raise InvalidArgument(field, str(exc)) from exc
@@ -97,12 +116,12 @@ class OpenAIApi:
                                   f"{self.fe.model_name!r}")
         return body
 
-    def _requests(self, body: dict, ids: list[int],
-                  default_max: int | None) -> list[GenRequest]:
+    def _requests(self, body: dict, ids: list[int], default_max: int | None,
+                  chat: bool) -> list[GenRequest]:
         """One scheduler request per choice (``n``); seeded choices get seeds seed, seed+1,
         ... so that each is reproducible and they differ."""
         n = _choices(body)
-        params = _params(body)
+        params = _params(body, chat)
         out = []
         for i in range(n):
             p = params if params.seed is None else dataclasses.replace(params,
@@ -137,7 +156,7 @@ class OpenAIApi:
                 ids = prompt
             else:
                 raise InvalidArgument("prompt", "must be a string or a list of token ids")
-            reqs = self._requests(body, ids, 16)
+            reqs = self._requests(body, ids, 16, chat=False)
         except ServiceError as exc:
             return _error(exc.http_status, str(exc), getattr(exc, "field", None))
         return await self._run(request, body, reqs, chat=False)
@@ -150,7 +169,7 @@ class OpenAIApi:
                 raise InvalidArgument("messages", "must be a non-empty list")
             if not all(isinstance(m, dict) for m in messages):
                 raise InvalidArgument("messages", "each message must be an object")
-            reqs = self._requests(body, self.fe.encode_chat(messages), None)
+            reqs = self._requests(body, self.fe.encode_chat(messages), None, chat=True)
         except ServiceError as exc:
             return _error(exc.http_status, str(exc), getattr(exc, "field", None))
         return await self._run(request, body, reqs, chat=True)
@@ -195,7 +214,9 @@ class OpenAIApi:
             return _error(500, f"generation failed: {exc}", kind="server_error")
         choices = []
         for i, gen in enumerate(gens):
-            choice = {"index": i, "finish_reason": gen.req.finish_reason, "logprobs": None}
+            choice = {"index": i, "finish_reason": gen.req.finish_reason,
+                      "logprobs": self._logprobs_json(gen.req, gen.req.generated,
+                                                      gen.req.logprobs, chat)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": gen.sent_text}
             else:
@@ -219,24 +240,36 @@ class OpenAIApi:
                 data["usage"] = usage
             await resp.write(f"data: {json.dumps(data)}\n\n".encode())
 
-        def choice(i: int, text: str, finish: str | None, role: bool = False) -> dict:
+        offsets = [0] * len(gens)  # completions' text_offset continues across chunks
+
+        def choice(i: int, text: str, finish: str | None, role: bool = False,
+                   tokens: tuple[list, list] = ([], [])) -> dict:
+            logprobs = self._logprobs_json(gens[i].req, *tokens, chat, offsets[i]) \
+                if tokens[0] else None
+            offsets[i] += len(text)
             if chat:
                 delta = {"role": "assistant", "content": text} if role else \
                     ({"content": text} if finish is None else {})
-                return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+                return {"index": i, "delta": delta, "finish_reason": finish,
+                        "logprobs": logprobs}
+            return {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
         # Every choice's deltas through one queue, so n choices stream interleaved.
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, gen: Generation) -> None:
+            # A token whose text is held back (an incomplete UTF-8 sequence) has its
+            # logprob sent with the next text.
+            ids, logprobs = [], []
             try:
-                async for _, delta in gen.deltas():
+                async for new, delta, new_logprobs in gen.deltas():
+                    ids, logprobs = ids + new, logprobs + new_logprobs
                     if delta:
-                        await queue.put((i, delta, None))
-                await queue.put((i, "", gen.req.finish_reason))
+                        await queue.put((i, delta, None, (ids, logprobs)))
+                        ids, logprobs = [], []
+                await queue.put((i, "", gen.req.finish_reason, (ids, logprobs)))
             except Exception as exc:  # surfaced to the client as an error event
-                await queue.put((i, None, exc))
+                await queue.put((i, None, exc, None))
 
         if chat:
             await send([choice(i, "", None, role=True) for i in range(len(gens))])
@@ -244,16 +277,16 @@ class OpenAIApi:
         try:
             open_choices = len(gens)
             while open_choices:
-                i, delta, end = await queue.get()
+                i, delta, end, tokens = await queue.get()
                 if delta is None:  # OpenAI streams a failure as an error event
                     error = {"message": f"generation failed: {end}", "type": "server_error",
                              "param": None, "code": None}
                     await resp.write(f"data: {json.dumps({'error': error})}\n\n".encode())
                     break
                 if end is None:
-                    await send([choice(i, delta, None)])
+                    await send([choice(i, delta, None, tokens=tokens)])
                 else:
-                    await send([choice(i, "", end)])
+                    await send([choice(i, "", end, tokens=tokens)])
                     open_choices -= 1
             else:
                 await send([], usage=self._usage(gens))
@@ -266,6 +299,34 @@ class OpenAIApi:
                     self.scheduler.cancel(g.req)
         return resp
 
+    def _logprobs_json(self, req: GenRequest, ids: list[int], logprobs: list, chat: bool,
+                       text_offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for ``ids`` (chat: ``content`` entries; completions:
+        parallel lists), or None if the request did not ask for logprobs."""
+        if req.params.logprobs is None:
+            return None
+        text = self.fe.token_text
+        if chat:
+            def entry(token: int, logprob: float) -> dict:
+                t = text(token)
+                return {"token": t, "logprob": _finite(logprob), "bytes": list(t.encode())}
+
+            return {"content": [
+                {**entry(tok, lp.logprob), "top_logprobs": [
+                    entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs,
+                                                strict=True)]}
+                for tok, lp in zip(ids, logprobs, strict=False)], "refusal": None}
+        tokens = [text(t) for t in ids[:len(logprobs)]]
+        offsets = [text_offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+        return {"tokens": tokens,
+                "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+                # The chosen token is listed too, as vLLM does.
+                "top_logprobs": [{text(t): _finite(v) for t, v in
+                                  [*zip(lp.top_token_ids, lp.top_logprobs, strict=True),
+                                   (tok, lp.logprob)]} for tok, lp in zip(ids, logprobs,
+                                                                         strict=False)],
+                "text_offset": offsets}
+
     @staticmethod
     def _usage(gens: list[Generation]) -> dict:
         prompt = len(gens[0].req.prompt_ids)
@@ -274,6 +335,11 @@ class OpenAIApi:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "speculation": {"steps": len(steps), "accepted_per_step": steps}}
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -Infinity; OpenAI reports an impossible token as -9999."""
+    return max(logprob, -9999.0)
 
 
 async def start_http(scheduler: Scheduler, fe: Frontend, host: str,

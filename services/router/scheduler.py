@@ -48,6 +48,7 @@ class GenRequest:
     id: str = field(default_factory=lambda: f"r{next(_ids)}-{time.monotonic_ns() % 10**9}")
     # Filled in by the scheduler.
     generated: list[int] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # if asked for
     accepted_per_step: list[int] = field(default_factory=list)
     drafted: int = 0
     speculative_steps: int = 0
@@ -396,7 +397,7 @@ class Scheduler:
             if not r.first_token_at:
                 r.first_token_at = time.monotonic()
             self.running.append(r)
-            await self._emit(r, [res.token], step=False)
+            await self._emit(r, [res.token], _logprobs(res), step=False)
 
     def _mark_down(self, replica: Replica, exc: Exception) -> None:
         if replica.healthy:
@@ -521,28 +522,32 @@ class Scheduler:
             return
         outs = []
         if with_tree:
-            outs += [(r, list(res.tokens)) for r, res in zip(with_tree, results[0].results,
-                                                             strict=True)]
+            outs += [(r, list(res.tokens), list(res.logprobs))
+                     for r, res in zip(with_tree, results[0].results, strict=True)]
             for r in with_tree:
                 r.drafted += len(trees[r.id].tokens)
                 r.speculative_steps += 1
         for r in reqs:
             r.verify_s += time.monotonic() - started
         if plain:
-            outs += [(r, [res.token]) for r, res in zip(plain, results[-1].results,
-                                                        strict=True)]
-        for r, tokens in outs:
-            await self._emit(r, tokens, step=True)
+            outs += [(r, [res.token], _logprobs(res))
+                     for r, res in zip(plain, results[-1].results, strict=True)]
+        for r, tokens, logprobs in outs:
+            await self._emit(r, tokens, logprobs, step=True)
 
-    async def _emit(self, req: GenRequest, tokens: list[int], step: bool) -> None:
-        """Append a step's tokens (cut at max_tokens or a stop); ``step``: an LLM step
-        (Verify/Decode), not the prefill's first token."""
+    async def _emit(self, req: GenRequest, tokens: list[int],
+                    logprobs: list[common_pb2.TokenLogprob], step: bool) -> None:
+        """Append a step's tokens (cut at max_tokens or a stop) and their logprobs (empty
+        unless asked for); ``step``: an LLM step (Verify/Decode), not the prefill's first
+        token."""
         new = []
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             if len(req.generated) >= req.max_tokens:
                 break
             req.generated.append(tok)
             new.append(tok)
+            if i < len(logprobs):
+                req.logprobs.append(logprobs[i])
             if tok in self.eos_ids or tok in req.stop_ids:
                 req.finish_reason = "stop"
                 break
@@ -588,10 +593,17 @@ class DeadlineExceeded(ServiceError):
     http_status = 504
 
 
+def _logprobs(result) -> list[common_pb2.TokenLogprob]:
+    """A Prefill or Decode result's one logprob, if it carries one."""
+    return [result.logprob] if result.HasField("logprob") else []
+
+
 def _sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, min_p=p.min_p)
     if p.top_p != 1.0:
         msg.top_p = p.top_p
     if p.seed is not None:
         msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
     return msg

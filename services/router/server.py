@@ -45,6 +45,10 @@ class Frontend:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One token's own text (special tokens spelled out), as logprobs show it."""
+        return self.tokenizer.decode([token])
+
     def check_ids(self, field: str, ids: list[int]) -> None:
         for j, t in enumerate(ids):
             if not 0 <= t < self.vocab_size:
@@ -83,11 +87,13 @@ def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequ
 
 
 class Generation:
-    """Follows one request's events; yields (new ids, text delta) and ends with its finish."""
+    """Follows one request's events; yields (new ids, text delta, their logprobs) and ends
+    with its finish."""
 
     def __init__(self, req: GenRequest, fe: Frontend) -> None:
         self.req, self.fe = req, fe
         self.sent_text = ""
+        self.sent_tokens = 0
 
     def _text(self, final: bool) -> str:
         text = self.fe.decode(self.req.generated)
@@ -108,7 +114,9 @@ class Generation:
             text = self._text(final)
             delta = text[len(self.sent_text):] if text.startswith(self.sent_text) else ""
             self.sent_text = text if delta or final else self.sent_text
-            yield (payload if kind == "tokens" else []), delta
+            new = payload if kind == "tokens" else []
+            start, self.sent_tokens = self.sent_tokens, self.sent_tokens + len(new)
+            yield new, delta, self.req.logprobs[start:self.sent_tokens]
             if final:
                 return
 
@@ -143,22 +151,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         """The unary form of GenerateStream: the same run, collected."""
-        text, ids, last = [], [], None
+        text, ids, logprobs, last = [], [], [], None
         async for msg in self.GenerateStream(request, context):
             text.append(msg.text)
             ids += msg.token_ids
+            logprobs += msg.logprobs
             last = msg
         return router_pb2.GenerateResponse(text="".join(text), token_ids=ids,
                                            finish_reason=last.finish_reason, usage=last.usage,
-                                           stats=last.stats, dtype=last.dtype)
+                                           stats=last.stats, dtype=last.dtype,
+                                           logprobs=logprobs)
 
     async def GenerateStream(self, request, context):
         gen = None
         try:
             gen = self._start(request, context)
-            async for new, delta in gen.deltas():
+            async for new, delta, logprobs in gen.deltas():
                 if new or delta:
-                    yield router_pb2.GenerateStreamResponse(text=delta, token_ids=new)
+                    yield router_pb2.GenerateStreamResponse(text=delta, token_ids=new,
+                                                            logprobs=logprobs)
             yield router_pb2.GenerateStreamResponse(finish_reason=gen.req.finish_reason,
                                                     usage=gen.usage(), stats=gen.stats(),
                                                     dtype=self.fe.dtype)

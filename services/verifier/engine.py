@@ -20,7 +20,13 @@ import torch
 
 from services.verifier.executor import ForwardArgs
 from specinfer.errors import InvalidArgument, OutOfRange, ResourceExhausted
-from specinfer.sampling import SamplingParams, sample, target_probs
+from specinfer.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    sample,
+    target_probs,
+    token_logprobs,
+)
 from specinfer.tree import TokenTree, TreeBatch
 from specinfer.verification import Accepted, verify_batch
 
@@ -73,6 +79,7 @@ class PrefillOut:
     sequence_id: str
     token: int
     reused_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # [] unless asked for
 
 
 @dataclass
@@ -81,6 +88,7 @@ class VerifyOut:
     tokens: list[int]
     accepted_nodes: list[int]
     cached_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, if asked for
 
 
 class VerifierEngine:
@@ -183,7 +191,15 @@ class VerifierEngine:
         self.sequences[spec.sequence_id] = SequenceState(
             spec.sequence_id, slot, list(prompt) + [token], spec.params, gen, spec.session_id
         )
-        return PrefillOut(spec.sequence_id, token, reuse)
+        return PrefillOut(spec.sequence_id, token, reuse,
+                          self._logprobs(logits[0], [-1], [token], spec.params))
+
+    def _logprobs(self, logits: torch.Tensor, rows: list[int], tokens: list[int],
+                  params: SamplingParams) -> list[TokenLogprob]:
+        """``tokens[i]``'s log-probability under ``logits[rows[i]]``, if asked for."""
+        if params.logprobs is None:
+            return []
+        return token_logprobs(logits[rows, : self.vocab_size], tokens, params.logprobs)
 
     def _forward_chain(self, slot: int, start: int, chunk: list[int]) -> torch.Tensor:
         """Causal forward of ``chunk`` at cache positions ``start...``; last row's logits."""
@@ -233,15 +249,20 @@ class VerifierEngine:
         ))
         results = verify_batch(logits, trees, [s.params for s in seqs],
                                [s.generator for s in seqs])
-        return [self._accept(seq, acc) for seq, acc in zip(seqs, results, strict=True)]
+        return [self._accept(seq, acc, logits[b])
+                for b, (seq, acc) in enumerate(zip(seqs, results, strict=True))]
 
-    def _accept(self, seq: SequenceState, acc: Accepted) -> VerifyOut:
+    def _accept(self, seq: SequenceState, acc: Accepted, logits: torch.Tensor) -> VerifyOut:
         base = seq.cached + 1  # the root's K/V sits at seq.cached
         src = [base + n for n in acc.nodes]
         dst = list(range(base, base + len(acc.nodes)))
         self.executor.compact(seq.slot, src, dst)
         seq.tokens.extend(acc.tokens)
-        return VerifyOut(seq.id, acc.tokens, acc.nodes, seq.cached)
+        # Token i was chosen from the distribution after the root (i = 0) or after the
+        # accepted node before it: rows 0 and 1 + node of the tree batch.
+        rows = [0] + [1 + n for n in acc.nodes]
+        return VerifyOut(seq.id, acc.tokens, acc.nodes, seq.cached,
+                         self._logprobs(logits, rows, acc.tokens, seq.params))
 
     def decode(self, items: list[tuple[str, int]]) -> list[VerifyOut]:
         """Incremental decoding: a verification of empty trees."""

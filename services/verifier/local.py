@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.verifier.engine import PrefillSpec, VerifierEngine
-from specinfer.sampling import SamplingParams
+from specinfer.sampling import SamplingParams, TokenLogprob
 from specinfer.tree import TokenTree
 
 # Maps the token histories of a batch (prompt + generated, the last one is each tree's
@@ -27,6 +27,7 @@ class LocalResult:
     ttft_s: float = 0.0
     draft_s: float = 0.0  # time in the tree source (the batch's, shared)
     verify_s: float = 0.0  # time in the engine's decode/verify steps
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # if params.logprobs is set
 
     @property
     def steps(self) -> int:
@@ -50,8 +51,8 @@ def generate_local(
                                                                                  strict=True)])
     ttft = time.perf_counter() - start
     history = {sid: list(p) + [f.token] for sid, p, f in zip(ids, prompts, first, strict=True)}
-    results = {sid: LocalResult([f.token], ttft_s=ttft) for sid, f in zip(ids, first,
-                                                                          strict=True)}
+    results = {sid: LocalResult([f.token], ttft_s=ttft, logprobs=f.logprobs)
+               for sid, f in zip(ids, first, strict=True)}
     live = [sid for sid in ids if first[ids.index(sid)].token not in stop and max_new_tokens > 1]
     try:
         while live:
@@ -75,6 +76,7 @@ def generate_local(
                         new = new[: k + 1]
                         break
                 res.token_ids += new
+                res.logprobs += r.logprobs[: len(new)]
                 res.accepted_per_step.append(len(r.tokens))
                 history[r.sequence_id] += r.tokens
             live = [sid for sid in live

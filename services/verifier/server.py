@@ -16,7 +16,7 @@ import grpc
 from services.verifier.engine import PrefillSpec, VerifierEngine
 from specinfer.grpc_server import abort_on_error, serve_engine
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
-from specinfer.wire import sampling_from_proto, tree_from_proto
+from specinfer.wire import logprob_to_proto, sampling_from_proto, tree_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         out = await self._call(context, "Prefill", run)
         return verifier_pb2.PrefillResponse(results=[
             verifier_pb2.PrefillResult(sequence_id=r.sequence_id, token=r.token,
-                                       reused_tokens=r.reused_tokens) for r in out
+                                       reused_tokens=r.reused_tokens,
+                                       logprob=_first_logprob(r.logprobs)) for r in out
         ])
 
     async def Verify(self, request, context):
@@ -72,7 +73,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.VerifyResponse(results=[
             verifier_pb2.VerifyResult(sequence_id=r.sequence_id, tokens=r.tokens,
                                       accepted_nodes=r.accepted_nodes,
-                                      cached_tokens=r.cached_tokens) for r in out
+                                      cached_tokens=r.cached_tokens,
+                                      logprobs=[logprob_to_proto(lp) for lp in r.logprobs])
+            for r in out
         ])
 
     async def Decode(self, request, context):
@@ -80,7 +83,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         out = await self._call(context, "Decode", self.engine.decode, items)
         return verifier_pb2.DecodeResponse(results=[
             verifier_pb2.DecodeResult(sequence_id=r.sequence_id, token=r.tokens[0],
-                                      cached_tokens=r.cached_tokens) for r in out
+                                      cached_tokens=r.cached_tokens,
+                                      logprob=_first_logprob(r.logprobs)) for r in out
         ])
 
     async def Release(self, request, context):
@@ -91,6 +95,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Info(self, request, context):
         info = await self._call(context, "Info", self.engine.info)
         return verifier_pb2.InfoResponse(**info)
+
+
+def _first_logprob(logprobs: list) -> object:
+    return logprob_to_proto(logprobs[0]) if logprobs else None
 
 
 async def serve(build, host: str, port: int, grace_s: float = 10.0) -> None:

@@ -26,14 +26,16 @@ class PrefillRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("sequence_id", "token", "reused_tokens")
+    __slots__ = ("sequence_id", "token", "reused_tokens", "logprob")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     token: int
     reused_tokens: int
-    def __init__(self, sequence_id: _Optional[str] = ..., token: _Optional[int] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
+    logprob: _common_pb2.TokenLogprob
+    def __init__(self, sequence_id: _Optional[str] = ..., token: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("results",)
@@ -58,16 +60,18 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("sequence_id", "tokens", "accepted_nodes", "cached_tokens")
+    __slots__ = ("sequence_id", "tokens", "accepted_nodes", "cached_tokens", "logprobs")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     cached_tokens: int
-    def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results",)
@@ -90,14 +94,16 @@ class DecodeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
-    __slots__ = ("sequence_id", "token", "cached_tokens")
+    __slots__ = ("sequence_id", "token", "cached_tokens", "logprob")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     token: int
     cached_tokens: int
-    def __init__(self, sequence_id: _Optional[str] = ..., token: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    logprob: _common_pb2.TokenLogprob
+    def __init__(self, sequence_id: _Optional[str] = ..., token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("results",)
