@@ -15,7 +15,8 @@ Writes bench/results/<date>/{results.json, report.md, *.png} and prints a summar
 2. Throughput under load through the stack: N concurrent streams, speculation on vs off.
 3. Tree-shape sweep (engine-only): accepted tokens and tokens/s per shape.
 
-    python bench/run.py [--quick] [--new-tokens 128] [--per-category 2] [--pool DIR ...]
+    python bench/run.py [--quick] [--new-tokens 128] [--per-category 2] [--shape-prompts 8]
+                        [--concurrency 1,2,4,8,16,32] [--pool DIR ...]
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="1,2,4,8,16,32")
+    ap.add_argument("--shape-prompts", type=int, default=8, help="prompts per tree shape")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -216,6 +218,9 @@ def main() -> None:
                                "threads": torch.get_num_threads()},
                    "llm": args.llm, "dtype": str(b.engine.executor.dtype), "pool": b.refs,
                    "new_tokens": args.new_tokens, "prompts": len(prompts), "latency": {}}
+
+        def save() -> None:  # after each phase, so a late failure keeps what was measured
+            (out / "results.json").write_text(json.dumps(results, indent=2))
         for mode, params in (("greedy", GREEDY), ("T=0.7", STOCH)):
             runs: dict[str, list[dict]] = {k: [] for k in systems}
             by_cat: dict[str, dict[str, list[float]]] = {}
@@ -237,10 +242,12 @@ def main() -> None:
                 print(f"{k:<22} {s['tokens_per_s']:>7.1f} {s['speedup']:>8.2f} "
                       f"{s.get('accepted_per_step', float('nan')):>9.2f} "
                       f"{s.get('ttft_s', float('nan')):>7.2f}")
+            save()
         results["load"] = load_test(f"127.0.0.1:{port}", b, prompts,
                                     [int(x) for x in args.concurrency.split(",")])
+        save()
         if not args.quick:
-            results["shapes"] = shape_sweep(b, prompts)
+            results["shapes"] = shape_sweep(b, prompts[:args.shape_prompts])
         client.close()
     finally:
         stack.send_signal(signal.SIGTERM)
@@ -304,7 +311,7 @@ def shape_sweep(b: Bench, prompts) -> list[dict]:
     rows = []
     print(f"\n{'shape':<10} {'acc/step':>9} {'tok/s':>7}")
     for name, shape in SHAPES.items():
-        runs = [b.ours(ids, GREEDY, shape) for _, ids in prompts[:8]]
+        runs = [b.ours(ids, GREEDY, shape) for _, ids in prompts]
         s = summarize(runs)
         rows.append({"shape": name, "expansion": shape, **s})
         print(f"{name:<10} {s['accepted_per_step']:>9.2f} {s['tokens_per_s']:>7.1f}")
