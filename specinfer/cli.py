@@ -10,6 +10,9 @@ import sys
 from specinfer.models import DEFAULT_LLM, ModelError
 
 log = logging.getLogger("specinfer")
+# The router's --speculation modes (services.router.scheduler.SPECULATION_CHOICES; named
+# here so the CLI starts without importing torch).
+SPECULATION = ("adaptive", "always", "overlap")
 
 
 def _add_verifier_args(p: argparse.ArgumentParser) -> None:
@@ -133,8 +136,10 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-max-batch", type=int, default=8,
                    help="above this many live sequences, decode without speculation (below, "
                         "the router measures whether speculating pays)")
-    p.add_argument("--speculation", choices=["adaptive", "always"], default="adaptive",
-                   help="adaptive: speculate only while it measures faster than plain steps")
+    p.add_argument("--speculation", choices=SPECULATION, default="adaptive",
+                   help="adaptive: per batch size, the mode that measures fastest (plain "
+                        "steps included); always: the SSM tree on every step; overlap: the "
+                        "SSM tree, drafting for one micro-batch while the other is verified")
 
 
 def serve_router(args: argparse.Namespace) -> int:
@@ -159,7 +164,7 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expansion", default=None, help="the speculator's static tree")
     p.add_argument("--datastore", default="auto", help="the speculator's corpus drafts: "
                    "auto, none or a saved .npz")
-    p.add_argument("--speculation", choices=["adaptive", "always"], default="adaptive")
+    p.add_argument("--speculation", choices=SPECULATION, default="adaptive")
 
 
 def up(args: argparse.Namespace) -> int:

@@ -47,7 +47,8 @@ def stack(tiny_chat_llm, smollm2_datastore):
     try:
         wait_serving(f"127.0.0.1:{port}", router, timeout=240)
         yield {"addr": f"127.0.0.1:{port}", "http": f"http://127.0.0.1:{http_port}",
-               "verifiers": procs[:2], "speculator": spec, "router": router}
+               "verifiers": procs[:2], "speculator": spec, "router": router,
+               "router_cmd": cmd}
     finally:
         stop_processes(procs)
 
@@ -191,6 +192,32 @@ def test_sixteen_concurrent_streams(stack, reference):
 
     for prompt, ids in asyncio.run(main()):
         assert ids == reference[prompt]
+
+
+def test_overlapped_micro_batches_keep_greedy_output(stack, reference):
+    """A second router over the same services in overlap mode: drafting for one micro-batch
+    while the other is verified (and reusing the trees drafted ahead) changes no token."""
+    port = free_port()
+    cmd = [*stack["router_cmd"], "--speculation", "overlap", "--port", str(port),
+           "--http-port", "0"]
+    router = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_serving(f"127.0.0.1:{port}", router, timeout=120)
+
+        async def one(client, prompt):
+            return prompt, await client.generate(prompt, max_tokens=24)
+
+        async def main():
+            async with AsyncClient(f"127.0.0.1:{port}") as client:
+                return await asyncio.gather(*(one(client, PROMPTS[i % 4]) for i in range(6)))
+
+        results = asyncio.run(main())
+        for prompt, out in results:
+            assert out.token_ids == reference[prompt]
+        assert sum(out.stats.speculative_steps for _, out in results) > 0
+        assert any(a > 1 for _, out in results for a in out.accepted_per_step)
+    finally:
+        stop_processes([router])
 
 
 def http_post(url: str, data: bytes) -> tuple[int, dict]:

@@ -92,3 +92,27 @@ def test_a_stale_estimate_is_corrected_by_exploration():
     run(policy, 2, [10, 30], steps=20)
     arms = run(policy, 2, [10, 5], steps=40)  # speculation stopped paying
     assert arms[-1] == 0 and sum(arms[-12:]) <= 3  # only exploring steps speculate
+
+
+def test_an_arm_that_cannot_run_on_this_batch_is_never_chosen():
+    """Micro-batch overlap needs two speculating sequences: with one, its arm is skipped,
+    even where it is the usual choice of the bucket, and it is not counted down."""
+    policy = SpeculationPolicy(3, explore_every=4, max_explore_every=4)
+    run(policy, 2, [10, 12, 30], steps=20)  # arm 2 (overlap) wins at batch 2
+    assert policy.choice[(2, True)] == 2
+    countdown = policy.countdown[(2, True, 1)]
+    arms = []
+    for _ in range(12):
+        arm = policy.choose(2, True, skip=frozenset({2}))
+        policy.record(2, True, arm, tokens=10 + 2 * arm, seconds=1.0)
+        arms.append(arm)
+    assert 2 not in arms and arms.count(1) == 12  # the best of the rest, every step
+    assert policy.countdown[(2, True, 1)] == countdown
+    assert SpeculationPolicy(3).choose(2, True, skip=frozenset({2})) == 1
+
+
+def test_cli_names_every_speculation_choice():
+    from services.router.scheduler import SPECULATION_CHOICES
+    from specinfer.cli import SPECULATION
+
+    assert set(SPECULATION) == set(SPECULATION_CHOICES)

@@ -88,6 +88,13 @@ class SpeculationMode:
     name: str
     expansion: tuple[int, ...] = ()  # () = the speculator's default; (0,) = no SSMs
     max_nodes: int = 0  # 0 = the router's per-step budget
+    # Split the speculating batch into two micro-batches and draft for one while the other
+    # is verified: pays where drafting and verifying do not share the same cores.
+    overlap: bool = False
+
+
+TREE = SpeculationMode("tree")
+TREE_OVERLAP = SpeculationMode("tree-overlap", overlap=True)
 
 
 # What adaptive speculation chooses from, besides plain decoding (arm 0). Model-free drafts
@@ -96,8 +103,12 @@ class SpeculationMode:
 ADAPTIVE_MODES = (
     SpeculationMode("lookup-2", (0,), 2),
     SpeculationMode("lookup-6", (0,), 6),
-    SpeculationMode("tree"),
+    TREE,
+    TREE_OVERLAP,
 )
+# --speculation: adaptive, or one mode on every step.
+SPECULATION_CHOICES = {"adaptive": ADAPTIVE_MODES, "always": (TREE,),
+                       "overlap": (TREE_OVERLAP,)}
 
 
 class SpeculationPolicy:
@@ -140,18 +151,22 @@ class SpeculationPolicy:
         s = self.sums.get((*key, arm))
         return s[0] / s[1] if s else None
 
-    def choose(self, batch: int, greedy: bool) -> int:
+    def choose(self, batch: int, greedy: bool, skip: frozenset[int] = frozenset()) -> int:
+        """The arm for this step; arms in ``skip`` cannot run on this batch (e.g. micro-batch
+        overlap on one sequence) and are neither chosen nor counted down."""
         key = self._key(batch, greedy)
-        rates = [self.rate(key, arm) for arm in range(self.arms)]
+        rates = [None if arm in skip else self.rate(key, arm) for arm in range(self.arms)]
         # Measure every arm first (the speculating ones, then plain decoding), except one
         # that lost by far at the next smaller batch size: speculation pays less as the
         # batch grows, so it starts as a loser here and is only tried rarely.
         for arm in [*range(1, self.arms), 0]:
-            if rates[arm] is None and not self._lost_below(key, arm):
+            if arm not in skip and rates[arm] is None and not self._lost_below(key, arm):
                 return arm
         known = [arm for arm in range(self.arms) if rates[arm] is not None]
         current = self.choice.get(key)
         best = max(known, key=lambda arm: (rates[arm], -arm))
+        if current in skip:
+            return best  # the usual choice cannot run on this batch: the best that can
         if current is None or rates[best] > rates[current] * (1 + self.margin):
             if current is not None:
                 log.info("speculation policy: new choice", extra={
@@ -165,7 +180,7 @@ class SpeculationPolicy:
                                     else self.max_explore_every)
         due = None
         for arm in range(self.arms):
-            if arm != current:
+            if arm != current and arm not in skip and (*key, arm) in self.countdown:
                 self.countdown[(*key, arm)] -= 1
                 if self.countdown[(*key, arm)] <= 0 and due is None:
                     due = arm
@@ -220,7 +235,7 @@ class Scheduler:
                  expansion: list[int] | None = None, max_nodes: int = 0,
                  step_timeout_s: float = 60.0, speculate_timeout_s: float = 10.0,
                  prefill_token_budget: int = 4096, detokenize=None,
-                 adaptive: bool = True) -> None:
+                 speculation: str = "adaptive") -> None:
         self.replicas = [self._replica(a) for a in verifiers]
         self.spec_channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
                               for a in speculators]
@@ -229,8 +244,11 @@ class Scheduler:
         self.eos_ids = set(eos_ids)
         self.max_waiting = max_waiting
         self.spec_max_batch = spec_max_batch
-        self.modes = ADAPTIVE_MODES if adaptive else (SpeculationMode("tree"),)
-        self.policy = SpeculationPolicy(1 + len(self.modes)) if adaptive else None
+        self.modes = SPECULATION_CHOICES[speculation]
+        self.policy = SpeculationPolicy(1 + len(self.modes)) if len(self.modes) > 1 else None
+        # Trees drafted during the last step's second half for the next step's first
+        # micro-batch (overlap mode): sequence id -> (history length drafted for, tree).
+        self.prefetched: dict[str, tuple[int, object]] = {}
         self.expansion = expansion or []
         self.max_nodes = max_nodes
         self.step_timeout_s = step_timeout_s
@@ -420,9 +438,12 @@ class Scheduler:
     async def _speculate(self, reqs: list[GenRequest], budget: int,
                          mode: SpeculationMode) -> dict[str, object]:
         """Trees for the speculating requests, or {} if no speculator answers."""
+        if not reqs:
+            return {}
         if mode.max_nodes:
             budget = min(budget, mode.max_nodes)
         now = time.monotonic()
+        trees = {}
         for i, client in enumerate(self.spec_clients):
             if self.spec_down_until[i] > now:
                 continue
@@ -438,12 +459,15 @@ class Scheduler:
                 out = await client.Speculate(speculator_pb2.SpeculateRequest(items=items),
                                            timeout=min(self.speculate_timeout_s,
                                                        self._timeout(reqs)))
-                return {res.sequence_id: res.tree for res in out.results}
+                trees = {res.sequence_id: res.tree for res in out.results}
+                break
             except grpc.aio.AioRpcError as exc:
                 log.warning("speculator failed; this step decodes without it",
                             extra={"speculator": i, "error": exc.code().name})
                 self.spec_down_until[i] = now + 5.0
-        return {}
+        for r in reqs:
+            r.speculate_s += time.monotonic() - now
+        return trees
 
     async def _step(self) -> None:
         started = time.monotonic()
@@ -459,23 +483,58 @@ class Scheduler:
         if len(batch) > self.spec_max_batch or not self.spec_clients:
             arm = 0
         elif speculate and self.policy:
-            arm = self.policy.choose(len(batch), greedy)
+            single = frozenset(1 + i for i, m in enumerate(self.modes) if m.overlap) \
+                if len(speculate) < 2 else frozenset()
+            arm = self.policy.choose(len(batch), greedy, skip=single)
         if arm == 0:
             speculate = []
+        mode = self.modes[arm - 1] if arm else None
         budget = max(4, 64 // max(1, len(speculate)))
-        trees = await self._speculate(speculate, budget, self.modes[arm - 1]) \
-            if speculate else {}
-        for r in speculate:
-            r.speculate_s += time.monotonic() - started
-        by_replica: dict[str, list[GenRequest]] = {}
-        for r in batch:
-            by_replica.setdefault(r.replica.address, []).append(r)
-        await asyncio.gather(*(self._verify(reqs, trees) for reqs in by_replica.values()))
+        if mode is not None and mode.overlap and len(speculate) >= 2:
+            drafted = await self._overlapped_step(batch, speculate, budget, mode)
+        else:
+            self.prefetched.clear()
+            trees = await self._speculate(speculate, budget, mode) if speculate else {}
+            await self._verify_all(batch, trees)
+            drafted = bool(trees)
         if self.policy and len(batch) <= self.spec_max_batch \
                 and any(r.speculation for r in batch):
-            self.policy.record(len(batch), greedy, arm if trees else 0,
+            self.policy.record(len(batch), greedy, arm if drafted else 0,
                                sum(len(r.generated) for r in batch) - emitted,
                                time.monotonic() - started)
+
+    async def _overlapped_step(self, batch: list[GenRequest], speculate: list[GenRequest],
+                               budget: int, mode: SpeculationMode) -> bool:
+        """One step in two micro-batches, drafting for one while the other is verified:
+        verify(first) ‖ draft(second), then verify(second) ‖ draft(first's next step). The
+        first micro-batch's trees were drafted during the previous step when still current.
+        Returns whether any tree was verified."""
+        first, second = speculate[: len(speculate) // 2], speculate[len(speculate) // 2:]
+        drafting = {r.id for r in speculate}
+        trees = {}
+        for r in first:
+            hit = self.prefetched.get(r.id)
+            if hit is not None and hit[0] == len(r.history):
+                trees[r.id] = hit[1]
+        trees |= await self._speculate([r for r in first if r.id not in trees], budget, mode)
+        plain = [r for r in batch if r.id not in drafting]
+        _, second_trees = await asyncio.gather(self._verify_all(first + plain, trees),
+                                               self._speculate(second, budget, mode))
+        still = [r for r in first if r in self.running and r.replica is not None]
+        _, next_trees = await asyncio.gather(self._verify_all(second, second_trees),
+                                             self._speculate(still, budget, mode))
+        self.prefetched = {r.id: (len(r.history), next_trees[r.id]) for r in still
+                           if r.id in next_trees}
+        return bool(trees or second_trees)
+
+    async def _verify_all(self, reqs: list[GenRequest], trees: dict) -> None:
+        """Verify (or decode) ``reqs``, each verifier replica's share in one call, replicas
+        in parallel."""
+        by_replica: dict[str, list[GenRequest]] = {}
+        for r in reqs:
+            if r in self.running and r.replica is not None:
+                by_replica.setdefault(r.replica.address, []).append(r)
+        await asyncio.gather(*(self._verify(rs, trees) for rs in by_replica.values()))
 
     async def _verify(self, reqs: list[GenRequest], trees: dict) -> None:
         replica = reqs[0].replica

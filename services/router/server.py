@@ -208,7 +208,7 @@ async def serve(args, host: str, port: int, http_port: int, grace_s: float = 10.
                           eos_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
                           else [],
                           max_waiting=args.max_waiting, spec_max_batch=args.spec_max_batch,
-                          adaptive=args.speculation == "adaptive",
+                          speculation=args.speculation,
                           detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     info = await _retry(scheduler.start)
     frontend = Frontend(tokenizer, args.model_name or args.llm, info["vocab_size"],
