@@ -51,6 +51,7 @@ PAPER = [1, 1, 3, 1, 1, 1, 1, 1]
 SHAPES = {"chain-3": [1] * 3, "chain-4": [1] * 4, "chain-6": [1] * 6, "paper": PAPER,
           "w2-d4": [2, 1, 1, 1], "w3-d4": [3, 2, 1, 1], "w2-d6": [2, 1, 1, 1, 1, 1],
           "w3-d5": [3, 1, 1, 1, 1], "w4-d4": [4, 2, 1, 1], "w5-d3": [5, 1, 1]}
+DYNAMIC_BUDGETS = (4, 8, 16, 32)  # node budgets of the dynamic tree in the sweep
 
 
 def chat_ids(tok, prompt: str) -> list[int]:
@@ -308,13 +309,17 @@ def load_test(addr: str, b: Bench, prompts, levels: list[int], reps: int = 3) ->
 
 
 def shape_sweep(b: Bench, prompts) -> list[dict]:
+    """Static trees (width x depth) and the dynamic tree under several node budgets."""
     rows = []
-    print(f"\n{'shape':<10} {'acc/step':>9} {'tok/s':>7}")
-    for name, shape in SHAPES.items():
-        runs = [b.ours(ids, GREEDY, shape) for _, ids in prompts]
+    print(f"\n{'shape':<12} {'acc/step':>9} {'tok/s':>7}")
+    configs = [(name, shape, False, 0) for name, shape in SHAPES.items()]
+    configs += [(f"dynamic-{n}", PAPER, True, n) for n in DYNAMIC_BUDGETS]
+    for name, shape, dynamic, budget in configs:
+        runs = [b.ours(ids, GREEDY, shape, dynamic, max_nodes=budget) for _, ids in prompts]
         s = summarize(runs)
-        rows.append({"shape": name, "expansion": shape, **s})
-        print(f"{name:<10} {s['accepted_per_step']:>9.2f} {s['tokens_per_s']:>7.1f}")
+        rows.append({"shape": name, "expansion": shape, "dynamic": dynamic,
+                     "max_nodes": budget, **s})
+        print(f"{name:<12} {s['accepted_per_step']:>9.2f} {s['tokens_per_s']:>7.1f}")
     return rows
 
 
@@ -362,12 +367,51 @@ def write_report(results: dict, out: Path) -> None:
                      f"{r['output_tokens_per_s']:.1f} | {lo:.1f}–{hi:.1f} | "
                      f"{r['tpot_p50_ms']:.0f} | {r['tpot_p99_ms']:.0f} | "
                      f"{r['ttft_p50_s']:.2f} |")
+    lines += ["", _plot_load(results["load"], out, plt), ""]
     if "shapes" in results:
         lines += ["", "## Tree shapes (engine-only, greedy)", "",
                   "| shape | accepted/step | tok/s |", "|---|---|---|"]
-        lines += [f"| {r['shape']} {r['expansion']} | {r['accepted_per_step']:.2f} | "
-                  f"{r['tokens_per_s']:.1f} |" for r in results["shapes"]]
+        lines += [f"| {r['shape']} {'' if r.get('dynamic') else r['expansion']} | "
+                  f"{r['accepted_per_step']:.2f} | {r['tokens_per_s']:.1f} |"
+                  for r in results["shapes"]]
+        lines += ["", _plot_shapes(results["shapes"], out, plt), ""]
     (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _plot_load(rows: list[dict], out: Path, plt) -> str:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for spec, color in ((False, "#888888"), (True, "#4c72b0")):
+        mine = [r for r in rows if r["speculation"] == spec]
+        ax.errorbar([r["concurrency"] for r in mine], [r["output_tokens_per_s"] for r in mine],
+                    yerr=[[r["output_tokens_per_s"] - r["spread"][0] for r in mine],
+                          [r["spread"][1] - r["output_tokens_per_s"] for r in mine]],
+                    marker="o", capsize=3, color=color,
+                    label="speculation on (adaptive)" if spec else "speculation off")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("output tokens/s (median, spread)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "load.png", dpi=110)
+    plt.close(fig)
+    return "![under load](load.png)"
+
+
+def _plot_shapes(rows: list[dict], out: Path, plt) -> str:
+    """Accepted tokens per step against speed: the tree worth defaulting to is up and right."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ax.scatter(r["accepted_per_step"], r["tokens_per_s"],
+                   color="#dd8452" if r.get("dynamic") else "#4c72b0")
+        ax.annotate(r["shape"], (r["accepted_per_step"], r["tokens_per_s"]), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("accepted tokens per LLM step")
+    ax.set_ylabel("tokens/s (engine-only, batch 1)")
+    ax.set_title("tree shapes: static (blue), dynamic by node budget (orange)")
+    fig.tight_layout()
+    fig.savefig(out / "shapes.png", dpi=110)
+    plt.close(fig)
+    return "![tree shapes](shapes.png)"
 
 
 def _free_port() -> int:

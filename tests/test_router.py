@@ -146,7 +146,8 @@ def test_openai_logprobs_plain_and_streaming(stack):
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     kw = dict(model=client.models.list().data[0].id, max_tokens=12, temperature=0,
               messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=2)
-    chat = client.chat.completions.create(**kw).choices[0].logprobs.content
+    whole = client.chat.completions.create(**kw).choices[0]
+    chat, chat_text = whole.logprobs.content, whole.message.content
     streamed = [e for ch in client.chat.completions.create(**kw, stream=True)
                 if ch.choices and ch.choices[0].logprobs
                 for e in ch.choices[0].logprobs.content]
@@ -154,10 +155,50 @@ def test_openai_logprobs_plain_and_streaming(stack):
         assert [e.logprob for e in entries] == pytest.approx(
             [x.logprob for x in chat_sdk.logprobs], abs=1e-3)
         assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
-                   and e.bytes == list(e.token.encode()) for e in entries)
+                   and bytes(e.bytes).decode(errors="replace") == e.token for e in entries)
+        # Raw bytes: they join into the text even where a character spans tokens.
+        assert b"".join(bytes(e.bytes) for e in entries).decode(errors="replace") == chat_text
     status, payload = http_post(stack["http"] + "/v1/chat/completions", json.dumps({
         "messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}).encode())
     assert status == 400 and payload["error"]["param"] == "top_logprobs"
+
+
+def test_token_bytes_are_raw_and_offsets_follow_the_text():
+    """Logprobs' token bytes for byte-level BPE: a character split over tokens joins back
+    exactly (OpenAI's ``bytes``), and each token's text offset is where it starts."""
+    from services.router.server import Frontend
+    from specinfer.models import DEFAULT_LLM, load_tokenizer
+
+    fe = Frontend(load_tokenizer(DEFAULT_LLM), "m", 49152)
+    assert fe.byte_level
+    text = "Hi 😀 naïve 東京<|im_end|>"
+    ids = fe.encode_prompt(text)
+    assert b"".join(fe.token_bytes(t) for t in ids) == text.encode()
+    assert any(fe.token_text(t) == "\ufffd" for t in ids)  # part of a character
+    offsets = fe.text_offsets(ids, 0, len(ids))
+    visible = fe.decode(ids)
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] == len(visible)
+    for t, o in zip(ids, offsets, strict=True):
+        if "\ufffd" not in fe.token_text(t) and t not in fe.special_ids:
+            assert visible[o:].startswith(fe.token_text(t))
+    assert fe.text_offsets(ids, 2, 4) == offsets[2:4]
+
+
+def test_stop_string_cuts_a_speculative_step_where_plain_decoding_stops(stack):
+    """A step that accepts tokens past the one completing a stop string keeps none of
+    them: the same tokens (and logprobs) as with speculation off."""
+    with Client(stack["addr"]) as c:
+        for p in PROMPTS:
+            full = c.generate(p, max_tokens=24, speculation=False).text
+            stop = full[len(full) // 2: len(full) // 2 + 3]
+            if not stop.strip():
+                continue
+            off = c.generate(p, max_tokens=24, stop=[stop], speculation=False, logprobs=1)
+            on = c.generate(p, max_tokens=24, stop=[stop], logprobs=1)
+            assert off.finish_reason == on.finish_reason == "stop"
+            assert on.token_ids == off.token_ids and on.text == off.text
+            assert stop not in on.text and len(on.token_ids) < 24
+            assert len(on.logprobs) == len(on.token_ids)
 
 
 def test_openai_n_choices_are_seeded_and_stream_interleaved(stack):

@@ -215,8 +215,8 @@ class OpenAIApi:
         choices = []
         for i, gen in enumerate(gens):
             choice = {"index": i, "finish_reason": gen.req.finish_reason,
-                      "logprobs": self._logprobs_json(gen.req, gen.req.generated,
-                                                      gen.req.logprobs, chat)}
+                      "logprobs": self._logprobs_json(gen.req, 0, len(gen.req.generated),
+                                                      chat)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": gen.sent_text}
             else:
@@ -240,13 +240,11 @@ class OpenAIApi:
                 data["usage"] = usage
             await resp.write(f"data: {json.dumps(data)}\n\n".encode())
 
-        offsets = [0] * len(gens)  # completions' text_offset continues across chunks
-
         def choice(i: int, text: str, finish: str | None, role: bool = False,
-                   tokens: tuple[list, list] = ([], [])) -> dict:
-            logprobs = self._logprobs_json(gens[i].req, *tokens, chat, offsets[i]) \
-                if tokens[0] else None
-            offsets[i] += len(text)
+                   tokens: tuple[int, int] = (0, 0)) -> dict:
+            """``tokens``: the span of the choice's tokens this chunk carries."""
+            logprobs = self._logprobs_json(gens[i].req, *tokens, chat) \
+                if tokens[1] > tokens[0] else None
             if chat:
                 delta = {"role": "assistant", "content": text} if role else \
                     ({"content": text} if finish is None else {})
@@ -260,14 +258,14 @@ class OpenAIApi:
         async def pump(i: int, gen: Generation) -> None:
             # A token whose text is held back (an incomplete UTF-8 sequence) has its
             # logprob sent with the next text.
-            ids, logprobs = [], []
+            sent = received = 0
             try:
-                async for new, delta, new_logprobs in gen.deltas():
-                    ids, logprobs = ids + new, logprobs + new_logprobs
+                async for new, delta, _ in gen.deltas():
+                    received += len(new)
                     if delta:
-                        await queue.put((i, delta, None, (ids, logprobs)))
-                        ids, logprobs = [], []
-                await queue.put((i, "", gen.req.finish_reason, (ids, logprobs)))
+                        await queue.put((i, delta, None, (sent, received)))
+                        sent = received
+                await queue.put((i, "", gen.req.finish_reason, (sent, received)))
             except Exception as exc:  # surfaced to the client as an error event
                 await queue.put((i, None, exc, None))
 
@@ -299,33 +297,31 @@ class OpenAIApi:
                     self.scheduler.cancel(g.req)
         return resp
 
-    def _logprobs_json(self, req: GenRequest, ids: list[int], logprobs: list, chat: bool,
-                       text_offset: int = 0) -> dict | None:
-        """OpenAI's logprobs object for ``ids`` (chat: ``content`` entries; completions:
-        parallel lists), or None if the request did not ask for logprobs."""
+    def _logprobs_json(self, req: GenRequest, start: int, end: int,
+                       chat: bool) -> dict | None:
+        """OpenAI's logprobs object for tokens ``start:end`` of ``req`` (chat: ``content``
+        entries; completions: parallel lists), or None if it did not ask for logprobs."""
         if req.params.logprobs is None:
             return None
+        ids, logprobs = req.generated[start:end], req.logprobs[start:end]
         text = self.fe.token_text
         if chat:
             def entry(token: int, logprob: float) -> dict:
-                t = text(token)
-                return {"token": t, "logprob": _finite(logprob), "bytes": list(t.encode())}
+                return {"token": text(token), "logprob": _finite(logprob),
+                        "bytes": list(self.fe.token_bytes(token))}
 
             return {"content": [
                 {**entry(tok, lp.logprob), "top_logprobs": [
-                    entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs,
-                                                strict=True)]}
-                for tok, lp in zip(ids, logprobs, strict=False)], "refusal": None}
-        tokens = [text(t) for t in ids[:len(logprobs)]]
-        offsets = [text_offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
-        return {"tokens": tokens,
+                    entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]}
+                for tok, lp in zip(ids, logprobs, strict=True)], "refusal": None}
+        return {"tokens": [text(t) for t in ids],
                 "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
                 # The chosen token is listed too, as vLLM does.
                 "top_logprobs": [{text(t): _finite(v) for t, v in
-                                  [*zip(lp.top_token_ids, lp.top_logprobs, strict=True),
-                                   (tok, lp.logprob)]} for tok, lp in zip(ids, logprobs,
-                                                                         strict=False)],
-                "text_offset": offsets}
+                                  [*zip(lp.top_ids, lp.top_logprobs, strict=True),
+                                   (tok, lp.logprob)]}
+                                 for tok, lp in zip(ids, logprobs, strict=True)],
+                "text_offset": self.fe.text_offsets(req.generated, start, end)}
 
     @staticmethod
     def _usage(gens: list[Generation]) -> dict:
@@ -338,8 +334,8 @@ class OpenAIApi:
 
 
 def _finite(logprob: float) -> float:
-    """JSON has no -Infinity; OpenAI reports an impossible token as -9999."""
-    return max(logprob, -9999.0)
+    """JSON has no -Infinity (or NaN); OpenAI reports an impossible token as -9999."""
+    return logprob if logprob >= -9999.0 else -9999.0
 
 
 async def start_http(scheduler: Scheduler, fe: Frontend, host: str,

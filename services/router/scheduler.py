@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specinfer.errors import InvalidArgument, ResourceExhausted, ServiceError
 from specinfer.grpc_server import CHANNEL_OPTIONS
-from specinfer.sampling import SamplingParams
+from specinfer.sampling import SamplingParams, TokenLogprob
 from specinfer.v1 import (
     common_pb2,
     speculator_pb2,
@@ -31,6 +31,7 @@ from specinfer.v1 import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
+from specinfer.wire import logprob_from_proto
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -48,7 +49,7 @@ class GenRequest:
     id: str = field(default_factory=lambda: f"r{next(_ids)}-{time.monotonic_ns() % 10**9}")
     # Filled in by the scheduler.
     generated: list[int] = field(default_factory=list)
-    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # if asked for
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # if asked for
     accepted_per_step: list[int] = field(default_factory=list)
     drafted: int = 0
     speculative_steps: int = 0
@@ -247,8 +248,9 @@ class Scheduler:
         self.modes = SPECULATION_CHOICES[speculation]
         self.policy = SpeculationPolicy(1 + len(self.modes)) if len(self.modes) > 1 else None
         # Trees drafted during the last step's second half for the next step's first
-        # micro-batch (overlap mode): sequence id -> (history length drafted for, tree).
-        self.prefetched: dict[str, tuple[int, object]] = {}
+        # micro-batch (overlap mode): sequence id -> (history length drafted for, node
+        # budget, tree).
+        self.prefetched: dict[str, tuple[int, int, object]] = {}
         self.expansion = expansion or []
         self.max_nodes = max_nodes
         self.step_timeout_s = step_timeout_s
@@ -418,9 +420,10 @@ class Scheduler:
             await self._emit(r, [res.token], _logprobs(res), step=False)
 
     def _mark_down(self, replica: Replica, exc: Exception) -> None:
-        if replica.healthy:
-            log.warning("verifier replica failed; failing over",
-                        extra={"replica": replica.address, "error": str(exc)[:200]})
+        if not replica.healthy:
+            return  # already failed over, and probed until it is back
+        log.warning("verifier replica failed; failing over",
+                    extra={"replica": replica.address, "error": str(exc)[:200]})
         replica.healthy = False
         asyncio.get_running_loop().call_later(5.0, self._probe, replica)
 
@@ -512,29 +515,43 @@ class Scheduler:
         first, second = speculate[: len(speculate) // 2], speculate[len(speculate) // 2:]
         drafting = {r.id for r in speculate}
         trees = {}
-        for r in first:
+        for r in first:  # drafted ahead for this history, within this step's budget
             hit = self.prefetched.get(r.id)
-            if hit is not None and hit[0] == len(r.history):
-                trees[r.id] = hit[1]
+            if hit is not None and hit[0] == len(r.history) and hit[1] <= budget:
+                trees[r.id] = hit[2]
         trees |= await self._speculate([r for r in first if r.id not in trees], budget, mode)
         plain = [r for r in batch if r.id not in drafting]
-        _, second_trees = await asyncio.gather(self._verify_all(first + plain, trees),
-                                               self._speculate(second, budget, mode))
-        still = [r for r in first if r in self.running and r.replica is not None]
-        _, next_trees = await asyncio.gather(self._verify_all(second, second_trees),
-                                             self._speculate(still, budget, mode))
-        self.prefetched = {r.id: (len(r.history), next_trees[r.id]) for r in still
+        _, second_trees = await _together(self._verify_all(first + plain, trees),
+                                          self._speculate(second, budget, mode))
+        ahead = [r for r in first if r in self.running and r.replica is not None
+                 and r.replica.max_context - len(r.history) > 2]
+        _, next_trees = await _together(self._verify_all(second, second_trees),
+                                        self._speculate(ahead, budget, mode))
+        self.prefetched = {r.id: (len(r.history), budget, next_trees[r.id]) for r in ahead
                            if r.id in next_trees}
         return bool(trees or second_trees)
 
     async def _verify_all(self, reqs: list[GenRequest], trees: dict) -> None:
         """Verify (or decode) ``reqs``, each verifier replica's share in one call, replicas
-        in parallel."""
+        in parallel. Sequences on a replica that failed earlier in this step are
+        re-prefilled elsewhere instead."""
         by_replica: dict[str, list[GenRequest]] = {}
         for r in reqs:
-            if r in self.running and r.replica is not None:
-                by_replica.setdefault(r.replica.address, []).append(r)
+            if r not in self.running or r.replica is None:
+                continue
+            if not r.replica.healthy:
+                self._requeue(r)
+                continue
+            by_replica.setdefault(r.replica.address, []).append(r)
         await asyncio.gather(*(self._verify(rs, trees) for rs in by_replica.values()))
+
+    def _requeue(self, req: GenRequest) -> None:
+        """Take a running sequence off its replica; it is prefilled again (on another
+        replica if that one is down) from the router's history, first in the queue."""
+        self.running.remove(req)
+        req.replica.live -= 1
+        req.replica = None
+        self.waiting.insert(0, req)
 
     async def _verify(self, reqs: list[GenRequest], trees: dict) -> None:
         replica = reqs[0].replica
@@ -564,20 +581,14 @@ class Scheduler:
                 # next loop; the others restart from the router's history (the verifier
                 # may or may not have applied the step).
                 for r in reqs:
-                    self.running.remove(r)
-                    replica.live -= 1
-                    r.replica = None
-                    self.waiting.insert(0, r)
+                    self._requeue(r)
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await replica.rpc.Release(verifier_pb2.ReleaseRequest(
                         sequence_ids=[r.id for r in reqs]), timeout=10)
                 return
             self._mark_down(replica, exc)
             for r in reqs:  # re-prefill elsewhere from the router's history
-                self.running.remove(r)
-                replica.live -= 1
-                r.replica = None
-                self.waiting.insert(0, r)
+                self._requeue(r)
             return
         outs = []
         if with_tree:
@@ -596,24 +607,25 @@ class Scheduler:
 
     async def _emit(self, req: GenRequest, tokens: list[int],
                     logprobs: list[common_pb2.TokenLogprob], step: bool) -> None:
-        """Append a step's tokens (cut at max_tokens or a stop) and their logprobs (empty
-        unless asked for); ``step``: an LLM step (Verify/Decode), not the prefill's first
-        token."""
-        new = []
-        for i, tok in enumerate(tokens):
+        """Append a step's tokens (cut at max_tokens, a stop token or the token that
+        completes a stop string) and their logprobs (empty unless asked for); ``step``: an
+        LLM step (Verify/Decode), not the prefill's first token."""
+        if req.params.logprobs is not None and len(logprobs) != len(tokens):
+            self._fail(req, ServiceError(f"the verifier returned {len(logprobs)} logprobs "
+                                         f"for {len(tokens)} tokens"))
+            return
+        start = len(req.generated)
+        for tok in tokens:
             if len(req.generated) >= req.max_tokens:
                 break
             req.generated.append(tok)
-            new.append(tok)
-            if i < len(logprobs):
-                req.logprobs.append(logprobs[i])
             if tok in self.eos_ids or tok in req.stop_ids:
                 req.finish_reason = "stop"
                 break
         if not req.finish_reason and req.stop and self.detokenize:
-            text = self.detokenize(req.generated)
-            if any(s in text for s in req.stop):
-                req.finish_reason = "stop"
+            self._cut_at_stop_string(req, start)
+        new = req.generated[start:]
+        req.logprobs += [logprob_from_proto(lp) for lp in logprobs[: len(new)]]
         if not req.finish_reason and len(req.generated) >= req.max_tokens:
             req.finish_reason = "length"
         if step:
@@ -621,6 +633,17 @@ class Scheduler:
         await req.events.put(("tokens", new))
         if req.finish_reason:
             await self._finish(req, req.finish_reason)
+
+    def _cut_at_stop_string(self, req: GenRequest, start: int) -> None:
+        """If the text now holds a stop string, keep only the tokens up to the one that
+        completed it (a step may accept several past it), as one-token steps would."""
+        if not any(s in self.detokenize(req.generated) for s in req.stop):
+            return
+        for end in range(start + 1, len(req.generated) + 1):
+            if any(s in self.detokenize(req.generated[:end]) for s in req.stop):
+                del req.generated[end:]
+                req.finish_reason = "stop"
+                return
 
     async def _finish(self, req: GenRequest, reason: str) -> None:
         if req in self.running:
@@ -650,6 +673,16 @@ class Scheduler:
 class DeadlineExceeded(ServiceError):
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
     http_status = 504
+
+
+async def _together(*steps):
+    """Run ``steps`` concurrently; if one raises, the others still finish before the
+    error propagates, so no verification outlives the step that started it."""
+    results = await asyncio.gather(*steps, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
 
 
 def _logprobs(result) -> list[common_pb2.TokenLogprob]:

@@ -4,9 +4,10 @@ both over one scheduler (``specinfer serve router``)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -15,9 +16,22 @@ from specinfer.errors import InvalidArgument, ServiceError
 from specinfer.grpc_server import Service, abort_on_error
 from specinfer.sampling import SamplingParams
 from specinfer.v1 import common_pb2, router_pb2, router_pb2_grpc
+from specinfer.wire import logprob_to_proto
 
 log = logging.getLogger(__name__)
 MAX_TOKENS_LIMIT = 1 << 20
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE (GPT-2 and its descendants, SmolLM2 among them) spells byte b as
+    chr(b) when b is a printable Latin-1 character, else as chr(256 + k) for the k-th
+    byte that is not."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    others = (b for b in range(256) if b not in printable)
+    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
+
+
+BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 @dataclass
@@ -28,6 +42,7 @@ class Frontend:
     model_name: str
     vocab_size: int
     dtype: str = "float32"
+    _token_bytes: dict[int, bytes] = field(default_factory=dict, repr=False)
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -45,9 +60,49 @@ class Frontend:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.all_special_ids)
+
+    @functools.cached_property
+    def byte_level(self) -> bool:
+        """Whether the vocabulary spells tokens in the byte-level alphabet (checked on text
+        that needs it: a space, a Latin-1 letter, a 4-byte emoji)."""
+        sample = " é\U0001F600"
+        pieces = self.tokenizer.convert_ids_to_tokens(self.encode_prompt(sample))
+        spelled = [BYTE_OF_CHAR.get(c) for p in pieces for c in p]
+        return None not in spelled and bytes(spelled) == sample.encode()
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes: raw, so a token holding part of a UTF-8 character (an
+        emoji split over tokens) is exact; special tokens as their text."""
+        out = self._token_bytes.get(token)
+        if out is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token)
+            if token not in self.special_ids and self.byte_level:
+                out = bytes(BYTE_OF_CHAR[c] for c in piece)
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                out = bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
+            else:
+                out = self.tokenizer.decode([token]).encode()
+            self._token_bytes[token] = out
+        return out
+
     def token_text(self, token: int) -> str:
-        """One token's own text (special tokens spelled out), as logprobs show it."""
-        return self.tokenizer.decode([token])
+        """One token's text as logprobs show it (a partial character as U+FFFD)."""
+        return self.token_bytes(token).decode("utf-8", errors="replace")
+
+    def text_offsets(self, ids: list[int], start: int, end: int) -> list[int]:
+        """Where each of ``ids[start:end]`` begins in the text of ``ids`` (special tokens
+        are not in the text; a token that starts inside a character gets that character's
+        offset)."""
+        offsets, prefix = [], b""
+        for k, token in enumerate(ids[:end]):
+            if k >= start:
+                offsets.append(len(prefix.decode("utf-8", errors="ignore")))
+            if token not in self.special_ids:
+                prefix += self.token_bytes(token)
+        return offsets
 
     def check_ids(self, field: str, ids: list[int]) -> None:
         for j, t in enumerate(ids):
@@ -168,8 +223,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             gen = self._start(request, context)
             async for new, delta, logprobs in gen.deltas():
                 if new or delta:
-                    yield router_pb2.GenerateStreamResponse(text=delta, token_ids=new,
-                                                            logprobs=logprobs)
+                    yield router_pb2.GenerateStreamResponse(
+                        text=delta, token_ids=new,
+                        logprobs=[logprob_to_proto(lp) for lp in logprobs])
             yield router_pb2.GenerateStreamResponse(finish_reason=gen.req.finish_reason,
                                                     usage=gen.usage(), stats=gen.stats(),
                                                     dtype=self.fe.dtype)
