@@ -182,6 +182,39 @@ def test_token_bytes_are_raw_and_offsets_follow_the_text():
         if "\ufffd" not in fe.token_text(t) and t not in fe.special_ids:
             assert visible[o:].startswith(fe.token_text(t))
     assert fe.text_offsets(ids, 2, 4) == offsets[2:4]
+    # An invalid byte is one U+FFFD in the text; special tokens (not in the text) take none.
+    from services.router.server import BYTE_OF_CHAR
+
+    orphan = fe.tokenizer.convert_tokens_to_ids(
+        next(c for c, b in BYTE_OF_CHAR.items() if b == 0x84))
+    ids = [orphan, *fe.encode_prompt("a<repo_name> there")]
+    assert fe.decode(ids) == "\ufffda there"
+    assert fe.text_offsets(ids, 0, len(ids)) == [0, 1, 2, 2]
+
+
+def test_a_stop_string_and_eos_in_one_step_keep_only_the_tokens_before_the_stop():
+    """A speculative step accepting "." then EOS, with stop ".": one-token steps would stop
+    at "."; so does the step (token ids, logprobs and usage included)."""
+    from services.router.scheduler import GenRequest, Scheduler
+    from specinfer.models import DEFAULT_LLM, load_tokenizer
+    from specinfer.sampling import SamplingParams
+    from specinfer.v1 import common_pb2
+
+    tok = load_tokenizer(DEFAULT_LLM)
+
+    async def main():
+        sched = Scheduler([], [], eos_ids=[tok.eos_token_id],
+                          detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
+        head, tail = tok.encode("Hello"), tok.encode(". More words")
+        req = GenRequest([1, 2, 3], 64, SamplingParams(logprobs=0), stop=["."])
+        step = head + tail + [tok.eos_token_id]
+        await sched._emit(req, step, [common_pb2.TokenLogprob(logprob=-0.5)] * len(step),
+                          step=True)
+        return req, head + tail[:1]
+
+    req, expected = asyncio.run(main())
+    assert req.generated == expected and req.finish_reason == "stop"
+    assert len(req.logprobs) == len(expected) and req.accepted_per_step == [len(expected)]
 
 
 def test_stop_string_cuts_a_speculative_step_where_plain_decoding_stops(stack):

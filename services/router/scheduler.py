@@ -404,6 +404,12 @@ class Scheduler:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self.waiting.extend(reqs)  # retry when capacity frees up
                 return
+            if self._client_deadline_passed(exc, reqs):
+                # Not a dead replica: it may have prefilled them, so free them there; the
+                # expired requests end on the next loop, the others are prefilled again.
+                await self._release(replica, [r.id for r in reqs])
+                self.waiting[:0] = reqs
+                return
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                               grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
                 self._mark_down(replica, exc)
@@ -532,15 +538,11 @@ class Scheduler:
         return bool(trees or second_trees)
 
     async def _verify_all(self, reqs: list[GenRequest], trees: dict) -> None:
-        """Verify (or decode) ``reqs``, each verifier replica's share in one call, replicas
-        in parallel. Sequences on a replica that failed earlier in this step are
-        re-prefilled elsewhere instead."""
+        """Verify (or decode) ``reqs`` that are still running, each verifier replica's
+        share in one call, replicas in parallel."""
         by_replica: dict[str, list[GenRequest]] = {}
         for r in reqs:
             if r not in self.running or r.replica is None:
-                continue
-            if not r.replica.healthy:
-                self._requeue(r)
                 continue
             by_replica.setdefault(r.replica.address, []).append(r)
         await asyncio.gather(*(self._verify(rs, trees) for rs in by_replica.values()))
@@ -548,9 +550,11 @@ class Scheduler:
     def _requeue(self, req: GenRequest) -> None:
         """Take a running sequence off its replica; it is prefilled again (on another
         replica if that one is down) from the router's history, first in the queue."""
-        self.running.remove(req)
-        req.replica.live -= 1
-        req.replica = None
+        if req in self.running:
+            self.running.remove(req)
+        if req.replica is not None:
+            req.replica.live -= 1
+            req.replica = None
         self.waiting.insert(0, req)
 
     async def _verify(self, reqs: list[GenRequest], trees: dict) -> None:
@@ -569,22 +573,19 @@ class Scheduler:
                 for r in plain]), timeout=self._timeout(plain)))
         started = time.monotonic()
         try:
-            results = await asyncio.gather(*calls)
+            results = await _together(*calls)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 for r in reqs:  # e.g. a tree the verifier rejects: fail loudly, not silently
                     self._fail(r, exc)
                 return
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and any(
-                    r.deadline is not None and r.deadline <= time.monotonic() for r in reqs):
+            if self._client_deadline_passed(exc, reqs):
                 # A client's deadline, not a dead replica: the expired requests end on the
                 # next loop; the others restart from the router's history (the verifier
                 # may or may not have applied the step).
                 for r in reqs:
                     self._requeue(r)
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    await replica.rpc.Release(verifier_pb2.ReleaseRequest(
-                        sequence_ids=[r.id for r in reqs]), timeout=10)
+                await self._release(replica, [r.id for r in reqs])
                 return
             self._mark_down(replica, exc)
             for r in reqs:  # re-prefill elsewhere from the router's history
@@ -622,7 +623,7 @@ class Scheduler:
             if tok in self.eos_ids or tok in req.stop_ids:
                 req.finish_reason = "stop"
                 break
-        if not req.finish_reason and req.stop and self.detokenize:
+        if req.stop and self.detokenize:  # also when an EOS ended the step's tokens
             self._cut_at_stop_string(req, start)
         new = req.generated[start:]
         req.logprobs += [logprob_from_proto(lp) for lp in logprobs[: len(new)]]
@@ -666,8 +667,23 @@ class Scheduler:
             self.running.remove(req)
         if req.replica is not None:
             req.replica.live -= 1
+            asyncio.ensure_future(self._release(req.replica, [req.id]))  # its KV slot
             req.replica = None
         req.events.put_nowait(("error", exc))
+
+    @staticmethod
+    def _client_deadline_passed(exc: grpc.aio.AioRpcError, reqs: list[GenRequest]) -> bool:
+        """A hop that ran out of time because a client's deadline passed, not because the
+        replica is dead."""
+        return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and any(
+            r.deadline is not None and r.deadline <= time.monotonic() for r in reqs)
+
+    @staticmethod
+    async def _release(replica: Replica, ids: list[str]) -> None:
+        """Best effort: free sequences on a replica (gone already is fine)."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await replica.rpc.Release(verifier_pb2.ReleaseRequest(sequence_ids=ids),
+                                      timeout=10)
 
 
 class DeadlineExceeded(ServiceError):

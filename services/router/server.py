@@ -4,6 +4,7 @@ both over one scheduler (``specinfer serve router``)."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import functools
 import logging
 import time
@@ -62,7 +63,16 @@ class Frontend:
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
-        return frozenset(self.tokenizer.all_special_ids)
+        """Tokens ``decode(skip_special_tokens=True)`` leaves out of the text."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        return frozenset(self.tokenizer.all_special_ids) | {
+            i for i, tok in added.items() if getattr(tok, "special", False)}
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[int, str]:
+        """Tokens added to the vocabulary: raw text, not spelled in the BPE alphabet."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        return {i: str(getattr(tok, "content", tok)) for i, tok in added.items()}
 
     @functools.cached_property
     def byte_level(self) -> bool:
@@ -79,12 +89,14 @@ class Frontend:
         out = self._token_bytes.get(token)
         if out is None:
             piece = self.tokenizer.convert_ids_to_tokens(token)
-            if token not in self.special_ids and self.byte_level:
+            if token in self.added_tokens:
+                out = self.added_tokens[token].encode()
+            elif self.byte_level:
                 out = bytes(BYTE_OF_CHAR[c] for c in piece)
             elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 out = bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
             else:
-                out = self.tokenizer.decode([token]).encode()
+                out = piece.replace("\u2581", " ").encode()  # SentencePiece's space
             self._token_bytes[token] = out
         return out
 
@@ -96,12 +108,15 @@ class Frontend:
         """Where each of ``ids[start:end]`` begins in the text of ``ids`` (special tokens
         are not in the text; a token that starts inside a character gets that character's
         offset)."""
-        offsets, prefix = [], b""
+        # Incremental: an unfinished character is held back until its last byte, and
+        # invalid bytes count as U+FFFD, as in the decoded text.
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        offsets, length = [], 0
         for k, token in enumerate(ids[:end]):
             if k >= start:
-                offsets.append(len(prefix.decode("utf-8", errors="ignore")))
+                offsets.append(length)
             if token not in self.special_ids:
-                prefix += self.token_bytes(token)
+                length += len(decoder.decode(self.token_bytes(token)))
         return offsets
 
     def check_ids(self, field: str, ids: list[int]) -> None:
