@@ -545,7 +545,7 @@ class Scheduler:
             if r not in self.running or r.replica is None:
                 continue
             by_replica.setdefault(r.replica.address, []).append(r)
-        await asyncio.gather(*(self._verify(rs, trees) for rs in by_replica.values()))
+        await _together(*(self._verify(rs, trees) for rs in by_replica.values()))
 
     def _requeue(self, req: GenRequest) -> None:
         """Take a running sequence off its replica; it is prefilled again (on another
