@@ -13,6 +13,8 @@ log = logging.getLogger("specinfer")
 # The router's --speculation modes (services.router.scheduler.SPECULATION_CHOICES; named
 # here so the CLI starts without importing torch).
 SPECULATION = ("adaptive", "always", "overlap")
+DATASTORE_CHOICES = ("auto (the ShareGPT datastore for the LLM's tokenizer, built once and "
+                     "cached; none if the LLM has no tokenizer), none, or a saved .npz")
 
 
 def _add_verifier_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +30,9 @@ def _add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-nodes", type=int, default=64)
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0 = auto)")
+    p.add_argument("--datastore", default="auto",
+                   help="corpus drafts for Verify items that ask the verifier to draft: " +
+                        DATASTORE_CHOICES)
 
 
 def serve_verifier(args: argparse.Namespace) -> int:
@@ -39,8 +44,12 @@ def serve_verifier(args: argparse.Namespace) -> int:
                           max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk)
 
     def build():
+        from specinfer.lookup import LookupDrafter
+
+        drafter = LookupDrafter(_datastore(args.datastore, args.llm))
         return build_engine(args.llm, config, tp=args.tp, pp=args.pp,
-                                micro_batches=args.micro_batches, threads=args.threads)
+                            micro_batches=args.micro_batches, threads=args.threads,
+                            drafter=drafter)
 
     asyncio.run(serve(build, args.host, args.port))
     return 0
@@ -55,10 +64,7 @@ def _add_speculator_args(p: argparse.ArgumentParser) -> None:
                    help="SSM linears: fp16 (default; exact cache hits), int8 (fastest; "
                         "drafts may vary with the batch at near-ties) or fp32")
     p.add_argument("--no-ngram", action="store_true", help="disable prompt-lookup drafts")
-    p.add_argument("--datastore", default="auto",
-                   help="corpus drafts: auto (the ShareGPT datastore for the LLM's tokenizer, "
-                        "built once and cached; none if the LLM has no tokenizer), none, or "
-                        "a saved .npz")
+    p.add_argument("--datastore", default="auto", help="corpus drafts: " + DATASTORE_CHOICES)
     p.add_argument("--expansion", default=None,
                    help="children per level of a static tree (default: the speculator's, "
                         "chosen by bench/speculator.py)")
@@ -162,8 +168,8 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--expansion", default=None, help="the speculator's static tree")
-    p.add_argument("--datastore", default="auto", help="the speculator's corpus drafts: "
-                   "auto, none or a saved .npz")
+    p.add_argument("--datastore", default="auto", help="the speculators' and verifiers' "
+                   "corpus drafts: auto, none or a saved .npz")
     p.add_argument("--speculation", choices=SPECULATION, default="adaptive")
 
 

@@ -14,6 +14,7 @@ built once per tokenizer (about a minute on 2 cores) and cached.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 from collections.abc import Iterable, Sequence
@@ -75,7 +76,7 @@ class NgramDatastore:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.npz")
         np.savez(tmp, **{f"keys{n}": k for n, (k, _) in self.tables.items()},
                  **{f"next{n}": v for n, (_, v) in self.tables.items()})
-        tmp.replace(path)  # atomic: several speculators may build at once
+        tmp.replace(path)  # atomic: a reader never sees half a file
 
     @classmethod
     def load(cls, path: Path) -> NgramDatastore:
@@ -136,14 +137,24 @@ def _most_frequent(keys: np.ndarray, nexts: np.ndarray,
 def sharegpt_datastore(tokenizer, max_tokens: int = 10_000_000, max_n: int = 4,
                        min_count: int = 2, cache_dir: Path | None = None) -> NgramDatastore:
     """The default corpus datastore for ``tokenizer``, built on first use and cached."""
-    from specinfer.boost import BoostConfig, select_conversations
     from specinfer.models import cache_root
 
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     ident = hashlib.sha256(repr((vocab, max_tokens, max_n, min_count)).encode()).hexdigest()
     path = (cache_dir or cache_root() / "datastore") / f"sharegpt-{ident[:16]}.npz"
-    if path.exists():
-        return NgramDatastore.load(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Verifiers and speculators starting together build it once: the others wait.
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return NgramDatastore.load(path)
+        return _build_sharegpt(tokenizer, path, max_tokens, max_n, min_count)
+
+
+def _build_sharegpt(tokenizer, path: Path, max_tokens: int, max_n: int,
+                    min_count: int) -> NgramDatastore:
+    from specinfer.boost import BoostConfig, select_conversations
+
     train, _ = select_conversations(BoostConfig(llm="", out="", prompts=10**9, heldout=0))
     texts = [t["value"] for conv in train for t in conv if t.get("from") == "gpt"]
     sequences, total = [], 0

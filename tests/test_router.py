@@ -294,6 +294,27 @@ def test_overlapped_micro_batches_keep_greedy_output(stack, reference):
         stop_processes([router])
 
 
+def test_adaptive_speculation_drafts_in_the_verifier_without_a_speculator(stack, reference):
+    """A router with no speculator still speculates: in the adaptive lookup modes the
+    verifier drafts model-free trees from the history it holds. Greedy output unchanged."""
+    cmd = list(stack["router_cmd"])
+    i = cmd.index("--speculator")
+    del cmd[i : i + 2]
+    port = free_port()
+    cmd += ["--speculation", "adaptive", "--port", str(port), "--http-port", "0"]
+    router = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_serving(f"127.0.0.1:{port}", router, timeout=120)
+        with Client(f"127.0.0.1:{port}") as client:
+            outs = {p: client.generate(p, max_tokens=24) for p in PROMPTS}
+        for prompt, out in outs.items():
+            assert out.token_ids == reference[prompt]
+        assert sum(out.stats.speculative_steps for out in outs.values()) > 0
+        assert any(a > 1 for out in outs.values() for a in out.accepted_per_step)
+    finally:
+        stop_processes([router])
+
+
 def http_post(url: str, data: bytes) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:

@@ -186,3 +186,31 @@ def test_context_limit_is_out_of_range(engine):
     root = engine.prefill([PrefillSpec("s", [1] * 120)])[0].token
     with pytest.raises(OutOfRange):
         engine.verify([("s", root, TokenTree.chain([1] * 10))])
+
+
+def test_trees_drafted_by_the_verifier_keep_greedy_output(engine, hf_model):
+    """Verify items that ask the verifier to draft (draft_nodes) get model-free trees from
+    the sequence's own tokens, within the budget; the output is plain greedy decoding's."""
+    prompt = [5, 6, 7, 8, 9] * 5 + [5, 6]
+    root = engine.prefill([PrefillSpec("s", prompt)])[0].token
+    tokens, drafted, steps = [root], [], 0
+    while len(tokens) < 30:
+        out = engine.verify([("s", tokens[-1], TokenTree())], draft_nodes=[3])[0]
+        assert out.drafted_nodes <= 3
+        drafted.append(out.drafted_nodes)
+        tokens += out.tokens
+        steps += 1
+    assert tokens[:30] == hf_greedy(hf_model, prompt, 30)
+    assert sum(drafted) > 0
+
+
+@pytest.mark.parametrize("tree,nodes,message", [
+    (TokenTree.chain([1]), 2, "not both"),
+    (TokenTree(), 25, "outside"),
+])
+def test_bad_draft_requests_name_the_field(engine, tree, nodes, message):
+    root = engine.prefill([PrefillSpec("s", [1, 2, 3])])[0].token
+    with pytest.raises(InvalidArgument, match=message) as err:
+        engine.verify([("s", root, tree)], draft_nodes=[nodes])
+    assert err.value.field == "items[0].draft_nodes"
+    assert engine.sequences["s"].tokens == [1, 2, 3, root]

@@ -84,14 +84,17 @@ class Replica:
 
 @dataclass(frozen=True)
 class SpeculationMode:
-    """One way to speculate: the speculator's tree config for a step."""
+    """One way to speculate: who drafts a step's trees, and their shape."""
 
     name: str
-    expansion: tuple[int, ...] = ()  # () = the speculator's default; (0,) = no SSMs
+    expansion: tuple[int, ...] = ()  # () = the speculator's default
     max_nodes: int = 0  # 0 = the router's per-step budget
     # Split the speculating batch into two micro-batches and draft for one while the other
     # is verified: pays where drafting and verifying do not share the same cores.
     overlap: bool = False
+    # Model-free drafts made by the verifier from the history it holds (Verify items'
+    # draft_nodes): no Speculate call, no history sent, and no speculator needed.
+    in_verifier: bool = False
 
 
 TREE = SpeculationMode("tree")
@@ -102,8 +105,8 @@ TREE_OVERLAP = SpeculationMode("tree-overlap", overlap=True)
 # (corpus datastore, prompt lookup) cost almost nothing to make, so small trees of them can
 # pay where SSM trees do not (a CPU verifier, a large batch); which mode wins is measured.
 ADAPTIVE_MODES = (
-    SpeculationMode("lookup-2", (0,), 2),
-    SpeculationMode("lookup-6", (0,), 6),
+    SpeculationMode("lookup-2", max_nodes=2, in_verifier=True),
+    SpeculationMode("lookup-6", max_nodes=6, in_verifier=True),
     TREE,
     TREE_OVERLAP,
 )
@@ -444,13 +447,19 @@ class Scheduler:
 
         asyncio.ensure_future(check())
 
+    def _node_budget(self, req: GenRequest, budget: int, mode: SpeculationMode) -> int:
+        """The most nodes ``req``'s tree may have this step."""
+        if mode.max_nodes:
+            budget = min(budget, mode.max_nodes)
+        replica = req.replica
+        return min(self.max_nodes or replica.max_tree_nodes, replica.max_tree_nodes, budget,
+                   replica.max_context - len(req.history) - 1)
+
     async def _speculate(self, reqs: list[GenRequest], budget: int,
                          mode: SpeculationMode) -> dict[str, object]:
         """Trees for the speculating requests, or {} if no speculator answers."""
         if not reqs:
             return {}
-        if mode.max_nodes:
-            budget = min(budget, mode.max_nodes)
         now = time.monotonic()
         trees = {}
         for i, client in enumerate(self.spec_clients):
@@ -460,9 +469,7 @@ class Scheduler:
                 sequence_id=r.id, context=r.history, sampling=_sampling_proto(r.params),
                 tree=speculator_pb2.TreeConfig(
                     expansion=list(mode.expansion) or self.expansion,
-                    max_nodes=min(self.max_nodes or r.replica.max_tree_nodes,
-                                  r.replica.max_tree_nodes, budget,
-                                  r.replica.max_context - len(r.history) - 1)))
+                    max_nodes=self._node_budget(r, budget, mode)))
                 for r in reqs]
             try:
                 out = await client.Speculate(speculator_pb2.SpeculateRequest(items=items),
@@ -488,19 +495,26 @@ class Scheduler:
         # Adaptive speculation: a larger batch amortises the LLM's weights over more
         # sequences, so each sequence gets a smaller tree, none past spec_max_batch; the
         # policy picks plain decoding or a mode by measured speed at this batch size.
-        arm = 1 if speculate else 0
-        if len(batch) > self.spec_max_batch or not self.spec_clients:
-            arm = 0
-        elif speculate and self.policy:
-            single = frozenset(1 + i for i, m in enumerate(self.modes) if m.overlap) \
-                if len(speculate) < 2 else frozenset()
-            arm = self.policy.choose(len(batch), greedy, skip=single)
+        arm = 0
+        if speculate and len(batch) <= self.spec_max_batch:
+            if self.policy:  # not the arms that cannot run on this batch
+                arm = self.policy.choose(len(batch), greedy, skip=frozenset(
+                    1 + i for i, m in enumerate(self.modes)
+                    if (m.overlap and len(speculate) < 2)
+                    or (not m.in_verifier and not self.spec_clients)))
+            elif self.modes[0].in_verifier or self.spec_clients:
+                arm = 1
         if arm == 0:
             speculate = []
         mode = self.modes[arm - 1] if arm else None
         budget = max(4, 64 // max(1, len(speculate)))
         if mode is not None and mode.overlap and len(speculate) >= 2:
             drafted = await self._overlapped_step(batch, speculate, budget, mode)
+        elif mode is not None and mode.in_verifier:
+            self.prefetched.clear()
+            await self._verify_all(batch, {}, {r.id: self._node_budget(r, budget, mode)
+                                               for r in speculate})
+            drafted = True
         else:
             self.prefetched.clear()
             trees = await self._speculate(speculate, budget, mode) if speculate else {}
@@ -537,15 +551,18 @@ class Scheduler:
                            if r.id in next_trees}
         return bool(trees or second_trees)
 
-    async def _verify_all(self, reqs: list[GenRequest], trees: dict) -> None:
+    async def _verify_all(self, reqs: list[GenRequest], trees: dict,
+                          draft_nodes: dict[str, int] | None = None) -> None:
         """Verify (or decode) ``reqs`` that are still running, each verifier replica's
-        share in one call, replicas in parallel."""
+        share in one call, replicas in parallel. ``trees``: the speculator's, by sequence
+        id; ``draft_nodes``: node budgets of sequences the verifier drafts for itself."""
         by_replica: dict[str, list[GenRequest]] = {}
         for r in reqs:
             if r not in self.running or r.replica is None:
                 continue
             by_replica.setdefault(r.replica.address, []).append(r)
-        await _together(*(self._verify(rs, trees) for rs in by_replica.values()))
+        await _together(*(self._verify(rs, trees, draft_nodes or {})
+                          for rs in by_replica.values()))
 
     def _requeue(self, req: GenRequest) -> None:
         """Take a running sequence off its replica; it is prefilled again (on another
@@ -557,16 +574,18 @@ class Scheduler:
             req.replica = None
         self.waiting.insert(0, req)
 
-    async def _verify(self, reqs: list[GenRequest], trees: dict) -> None:
+    async def _verify(self, reqs: list[GenRequest], trees: dict,
+                      draft_nodes: dict[str, int]) -> None:
         replica = reqs[0].replica
-        with_tree = [r for r in reqs if r.id in trees]
-        plain = [r for r in reqs if r.id not in trees]
+        with_tree = [r for r in reqs if r.id in trees or draft_nodes.get(r.id, 0) > 0]
+        plain = [r for r in reqs if r not in with_tree]
         calls = []
         if with_tree:
             calls.append(replica.rpc.Verify(verifier_pb2.VerifyRequest(items=[
                 verifier_pb2.VerifyItem(sequence_id=r.id, root_token=r.generated[-1],
-                                        tree=trees[r.id]) for r in with_tree]),
-                timeout=self._timeout(with_tree)))
+                                        tree=trees.get(r.id),
+                                        draft_nodes=draft_nodes.get(r.id, 0))
+                for r in with_tree]), timeout=self._timeout(with_tree)))
         if plain:
             calls.append(replica.rpc.Decode(verifier_pb2.DecodeRequest(items=[
                 verifier_pb2.DecodeItem(sequence_id=r.id, root_token=r.generated[-1])
@@ -593,11 +612,10 @@ class Scheduler:
             return
         outs = []
         if with_tree:
-            outs += [(r, list(res.tokens), list(res.logprobs))
-                     for r, res in zip(with_tree, results[0].results, strict=True)]
-            for r in with_tree:
-                r.drafted += len(trees[r.id].tokens)
-                r.speculative_steps += 1
+            for r, res in zip(with_tree, results[0].results, strict=True):
+                outs.append((r, list(res.tokens), list(res.logprobs)))
+                r.drafted += res.drafted_nodes
+                r.speculative_steps += res.drafted_nodes > 0
         for r in reqs:
             r.verify_s += time.monotonic() - started
         if plain:

@@ -18,7 +18,7 @@ import torch
 
 from specinfer.datastore import NgramDatastore
 from specinfer.errors import InvalidArgument
-from specinfer.ngram import ngram_tree
+from specinfer.lookup import LookupDrafter
 from specinfer.sampling import SamplingParams
 from specinfer.ssm import DraftRequest, SSMDrafter
 from specinfer.tree import TokenTree, merge_trees
@@ -51,16 +51,10 @@ class SpeculatorEngine:
         # GIL inside its kernels).
         self.threads = ThreadPoolExecutor(len(pool), "ssm") if len(pool) > 1 else None
         self.vocab_size = vocab_size
-        self.ngram = ngram
         self.expansion = expansion or DEFAULT_EXPANSION
         self.max_nodes = max_nodes
-        self.ngram_depth = ngram_depth
-        self.ngram_branches = ngram_branches
-        self.datastore = datastore
-        self.datastore_depth = datastore_depth
-        self.ngram_source = len(pool)
-        self.datastore_source = len(pool) + (1 if ngram else 0)
-        self.model_free_sources = (1 if ngram else 0) + (1 if datastore is not None else 0)
+        self.lookup = LookupDrafter(datastore, ngram, ngram_depth, ngram_branches,
+                                    datastore_depth, first_source=len(pool))
 
     def validate(self, specs: list[SpeculateSpec]) -> None:
         for i, s in enumerate(specs):
@@ -89,24 +83,15 @@ class SpeculatorEngine:
         self.validate(specs)
         budgets = [(s.max_nodes or self.max_nodes) for s in specs]
         use_ssm = [any(w > 0 for w in (s.expansion or self.expansion)) for s in specs]
-        cheap = self.model_free_sources
+        cheap = self.lookup.sources
         shares = [max(1, b // max(1, cheap + (len(self.pool) if ssm else 0)))
                   for b, ssm in zip(budgets, use_ssm, strict=True)]
         trees: list[list[TokenTree]] = [[] for _ in specs]
 
-        # Model-free drafts first: deterministic, so their merged tree may be cut to the
-        # budget (best evidence first: the corpus datastore, then prompt lookup).
-        for i, s in enumerate(specs):
-            cheap_trees = []
-            if self.datastore is not None:
-                cheap_trees.append(self.datastore.tree(s.context, self.datastore_depth,
-                                                       self.datastore_source, self.vocab_size))
-            if self.ngram:
-                cheap_trees.append(ngram_tree(s.context, self.ngram_depth,
-                                              branches=self.ngram_branches,
-                                              source=self.ngram_source, max_nodes=budgets[i]))
-            if cheap_trees:
-                trees[i].append(merge_trees(cheap_trees, max_nodes=shares[i] * cheap))
+        # Model-free drafts first: deterministic, so they may be cut to their share.
+        if cheap:
+            for i, s in enumerate(specs):
+                trees[i].append(self.lookup.tree(s.context, shares[i] * cheap, self.vocab_size))
 
         drafting = [i for i, ssm in enumerate(use_ssm) if ssm]
 

@@ -20,6 +20,7 @@ import torch
 
 from services.verifier.executor import ForwardArgs
 from specinfer.errors import InvalidArgument, OutOfRange, ResourceExhausted
+from specinfer.lookup import LookupDrafter
 from specinfer.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -89,12 +90,17 @@ class VerifyOut:
     accepted_nodes: list[int]
     cached_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, if asked for
+    drafted_nodes: int = 0  # the tree's nodes, sent or drafted here
 
 
 class VerifierEngine:
     def __init__(self, executor, config: EngineConfig, model_name: str = "",
-                 eos_token_ids: list[int] | None = None) -> None:
+                 eos_token_ids: list[int] | None = None,
+                 drafter: LookupDrafter | None = None) -> None:
         self.executor = executor
+        # Model-free drafts from a sequence's own history, for Verify items that ask for
+        # them instead of sending a tree.
+        self.drafter = drafter or LookupDrafter()
         self.config = config
         self.model_name = model_name
         self.eos_token_ids = eos_token_ids or []
@@ -218,15 +224,25 @@ class VerifierEngine:
 
     # --- verification -----------------------------------------------------------------
 
-    def verify(self, items: list[tuple[str, int, TokenTree]]) -> list[VerifyOut]:
-        """One forward for all trees; ``items``: (sequence id, root token, tree)."""
+    def verify(self, items: list[tuple[str, int, TokenTree]],
+               draft_nodes: list[int] | None = None) -> list[VerifyOut]:
+        """One forward for all trees; ``items``: (sequence id, root token, tree). An item
+        whose tree is empty and whose ``draft_nodes`` entry is positive gets a model-free
+        tree of at most that many nodes, drafted here from the sequence's own tokens."""
         self._check_unique([sid for sid, _, _ in items])
-        seqs = []
-        for i, (sid, root, tree) in enumerate(items):
+        draft_nodes = draft_nodes or [0] * len(items)
+        seqs, trees = [], []
+        for i, ((sid, root, tree), nodes) in enumerate(zip(items, draft_nodes, strict=True)):
             seq = self._live(f"items[{i}].sequence_id", sid)
             if root != seq.root:
                 raise InvalidArgument(f"items[{i}].root_token", f"is {root}, but the sequence's "
                                       f"last token is {seq.root}")
+            if nodes and len(tree):
+                raise InvalidArgument(f"items[{i}].draft_nodes",
+                                      "set with a tree: send a tree or ask for a draft, not both")
+            if not 0 <= nodes <= self.config.max_tree_nodes:
+                raise InvalidArgument(f"items[{i}].draft_nodes", f"{nodes} is outside "
+                                      f"[0, {self.config.max_tree_nodes}]")
             if len(tree) > self.config.max_tree_nodes:
                 raise InvalidArgument(f"items[{i}].tree", f"{len(tree)} nodes exceed the budget "
                                       f"of {self.config.max_tree_nodes}")
@@ -238,7 +254,11 @@ class VerifierEngine:
                 raise InvalidArgument(f"items[{i}].tree.drafts",
                                       "stochastic verification needs every node's drafts")
             seqs.append(seq)
-        trees = [tree for _, _, tree in items]
+            trees.append(tree)
+        for i, (seq, nodes) in enumerate(zip(seqs, draft_nodes, strict=True)):
+            room = self.config.max_context - seq.cached - 1
+            if nodes and room > 0:  # all items are valid: now draft
+                trees[i] = self.drafter.tree(seq.tokens, min(nodes, room), self.vocab_size)
         batch = TreeBatch.build(trees, [s.root for s in seqs], [s.cached for s in seqs])
         q = batch.tokens.shape[1]
         key_len = int(batch.prefix_lens.max()) + q
@@ -249,10 +269,11 @@ class VerifierEngine:
         ))
         results = verify_batch(logits, trees, [s.params for s in seqs],
                                [s.generator for s in seqs])
-        return [self._accept(seq, acc, logits[b])
-                for b, (seq, acc) in enumerate(zip(seqs, results, strict=True))]
+        return [self._accept(seq, tree, acc, logits[b])
+                for b, (seq, tree, acc) in enumerate(zip(seqs, trees, results, strict=True))]
 
-    def _accept(self, seq: SequenceState, acc: Accepted, logits: torch.Tensor) -> VerifyOut:
+    def _accept(self, seq: SequenceState, tree: TokenTree, acc: Accepted,
+                logits: torch.Tensor) -> VerifyOut:
         base = seq.cached + 1  # the root's K/V sits at seq.cached
         src = [base + n for n in acc.nodes]
         dst = list(range(base, base + len(acc.nodes)))
@@ -262,7 +283,7 @@ class VerifierEngine:
         # accepted node before it: rows 0 and 1 + node of the tree batch.
         rows = [0] + [1 + n for n in acc.nodes]
         return VerifyOut(seq.id, acc.tokens, acc.nodes, seq.cached,
-                         self._logprobs(logits, rows, acc.tokens, seq.params))
+                         self._logprobs(logits, rows, acc.tokens, seq.params), len(tree))
 
     def decode(self, items: list[tuple[str, int]]) -> list[VerifyOut]:
         """Incremental decoding: a verification of empty trees."""

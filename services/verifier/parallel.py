@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from services.verifier.engine import EngineConfig, VerifierEngine, eos_ids, slot_len
 from services.verifier.executor import ForwardArgs, LocalExecutor
+from specinfer.lookup import LookupDrafter
 from specinfer.runtime import LlamaRuntime
 
 log = logging.getLogger(__name__)
@@ -233,7 +234,8 @@ class ParallelExecutor:
 
 
 def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
-                     micro_batches: int = 2, threads: int = 0) -> VerifierEngine:
+                 micro_batches: int = 2, threads: int = 0,
+                 drafter: LookupDrafter | None = None) -> VerifierEngine:
     """A verifier engine over ``tp * pp`` ranks; this process becomes rank 0."""
     if tp < 1 or pp < 1:
         raise ValueError("--tp and --pp must be >= 1")
@@ -244,7 +246,7 @@ def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
             torch.set_num_threads(threads)
         model = load_model(llm)
         runtime = LlamaRuntime(model, config.slots, slot_len(config))
-        return VerifierEngine(LocalExecutor(runtime), config, llm, eos_ids(model))
+        return VerifierEngine(LocalExecutor(runtime), config, llm, eos_ids(model), drafter)
     port = _free_port()
     spec = json.dumps({"llm": llm, "config": asdict(config), "tp": tp, "pp": pp,
                        "micro_batches": micro_batches, "master_port": port,
@@ -260,7 +262,8 @@ def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
         for p in procs:
             p.kill()
         raise
-    return VerifierEngine(ParallelExecutor(worker, procs), config, llm, worker.eos_token_ids)
+    return VerifierEngine(ParallelExecutor(worker, procs), config, llm, worker.eos_token_ids,
+                          drafter)
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -68,13 +68,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         ])
 
     async def Verify(self, request, context):
-        out = await self._call(context, "Verify",
-                               lambda: self.engine.verify(self._parse_trees(request)))
+        draft_nodes = [item.draft_nodes for item in request.items]
+        out = await self._call(context, "Verify", lambda: self.engine.verify(
+            self._parse_trees(request), draft_nodes))
         return verifier_pb2.VerifyResponse(results=[
             verifier_pb2.VerifyResult(sequence_id=r.sequence_id, tokens=r.tokens,
                                       accepted_nodes=r.accepted_nodes,
                                       cached_tokens=r.cached_tokens,
-                                      logprobs=[logprob_to_proto(lp) for lp in r.logprobs])
+                                      logprobs=[logprob_to_proto(lp) for lp in r.logprobs],
+                                      drafted_nodes=r.drafted_nodes)
             for r in out
         ])
 

@@ -44,14 +44,16 @@ class PrefillResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PrefillResult, _Mapping]]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("sequence_id", "root_token", "tree")
+    __slots__ = ("sequence_id", "root_token", "tree", "draft_nodes")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     root_token: int
     tree: _common_pb2.TokenTree
-    def __init__(self, sequence_id: _Optional[str] = ..., root_token: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
+    draft_nodes: int
+    def __init__(self, sequence_id: _Optional[str] = ..., root_token: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft_nodes: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)
@@ -60,18 +62,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("sequence_id", "tokens", "accepted_nodes", "cached_tokens", "logprobs")
+    __slots__ = ("sequence_id", "tokens", "accepted_nodes", "cached_tokens", "logprobs", "drafted_nodes")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_NODES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     cached_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    drafted_nodes: int
+    def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., drafted_nodes: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results",)
