@@ -24,29 +24,38 @@ def ngram_tree(
     source: int = 0,
     max_nodes: int = 64,
 ) -> TokenTree:
-    tree = TokenTree()
     if depth <= 0 or len(context) < 2:
-        return tree
+        return TokenTree()
     ctx = list(context)
-    seen: set[tuple[int, ...]] = set()
+    conts: list[tuple[int, ...]] = []  # one per branch, most recent match first
     for n in range(min(max_n, len(ctx) - 1), min_n - 1, -1):
         key = ctx[-n:]
         # Most recent match first; a match must leave at least one following token.
         for start in range(len(ctx) - n - 1, -1, -1):
             if ctx[start : start + n] != key:
                 continue
-            cont = tuple(ctx[start + n : start + n + depth])
-            if not cont or cont in seen:
-                continue
-            seen.add(cont)
-            rank = len(seen) - 1
-            node = ROOT
-            for tok in cont:
-                if len(tree) >= max_nodes and tree.child(node, tok) is None:
-                    return tree
-                node = tree.add(node, tok, [Draft.one_hot(source, rank, tok)])
-            if len(seen) >= branches:
+            _add_continuation(conts, tuple(ctx[start + n : start + n + depth]))
+            if len(conts) >= branches:
+                break
+        if conts:  # longer matches are better evidence: stop at the longest n that matched
+            break
+    tree = TokenTree()
+    for rank, cont in enumerate(conts):
+        node = ROOT
+        for tok in cont:
+            if len(tree) >= max_nodes and tree.child(node, tok) is None:
                 return tree
-        if seen:  # longer matches are better evidence: stop at the longest n that matched
-            return tree
+            node = tree.add(node, tok, [Draft.one_hot(source, rank, tok)])
     return tree
+
+
+def _add_continuation(conts: list[tuple[int, ...]], cont: tuple[int, ...]) -> None:
+    """A match near the end of the context has a cut-short continuation; one that only
+    extends (or repeats) a branch already found lengthens it instead of taking a branch."""
+    for i, known in enumerate(conts):
+        if known[: len(cont)] == cont:
+            return
+        if cont[: len(known)] == known:
+            conts[i] = cont
+            return
+    conts.append(cont)

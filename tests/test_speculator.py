@@ -98,3 +98,12 @@ def test_bad_requests_are_invalid_argument_naming_the_field(speculator, kwargs, 
 def test_sampling_params_validation():
     with pytest.raises(ValueError, match="min_p"):
         SamplingParams(temperature=1, min_p=2)
+
+
+def test_ngram_continuations_cut_short_by_the_context_end_are_lengthened():
+    """The most recent match of a repeated token leaves one token to follow it; later
+    matches extend that branch instead of taking the second one."""
+    tree = ngram_tree([5, 9, 9, 9, 9, 9], 4, branches=2, max_n=1)
+    assert tree.paths() == {(9,), (9, 9), (9, 9, 9), (9, 9, 9, 9)}
+    tree = ngram_tree([4, 7, 4, 8, 8, 4], 3, branches=2, max_n=1)
+    assert tree.paths() == {(8,), (8, 8), (8, 8, 4), (7,), (7, 4), (7, 4, 8)}
