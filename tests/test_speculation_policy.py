@@ -4,12 +4,20 @@ choosing among plain decoding (arm 0) and several speculation modes."""
 from services.router.scheduler import SpeculationPolicy
 
 
+def step(policy: SpeculationPolicy, batch: int, arm: int, rate: float,
+         per_sequence: float = 2.0) -> None:
+    """Record a step of ``arm`` delivering ``rate`` tokens per second; a speculating arm
+    emits ``per_sequence`` tokens per sequence, plain decoding 1."""
+    tokens = batch * (per_sequence if arm else 1)
+    policy.record(batch, True, arm, tokens=tokens, seconds=tokens / rate)
+
+
 def run(policy: SpeculationPolicy, batch: int, rates: list[float], steps: int) -> list[int]:
     """``rates[arm]``: the tokens per second each arm delivers."""
     arms = []
     for _ in range(steps):
         arm = policy.choose(batch, greedy=True)
-        policy.record(batch, True, arm, tokens=int(rates[arm]), seconds=1.0)
+        step(policy, batch, arm, rates[arm])
         arms.append(arm)
     return arms
 
@@ -53,7 +61,8 @@ def test_an_exploration_that_wins_resets_the_backoff():
     policy = SpeculationPolicy(2, explore_every=4, max_explore_every=64, explore_cost=1.0)
     run(policy, 1, [10, 8], steps=2 + 4 + 8 + 16)  # backed off to 32
     assert policy.interval[(*policy._key(1, True), 1)] == 32
-    policy.record(1, True, 1, tokens=40, seconds=1.0)  # speculation now beats plain
+    for _ in range(3):
+        step(policy, 1, 1, rate=40)  # speculation now beats plain
     assert policy.interval[(*policy._key(1, True), 1)] == 4
 
 
@@ -61,10 +70,11 @@ def test_noise_within_the_margin_does_not_flip_the_choice():
     policy = SpeculationPolicy(2, explore_every=1000, margin=0.05)
     run(policy, 1, [10, 11], steps=3)
     assert policy.choice[policy._key(1, True)] == 1
-    policy.record(1, True, 0, tokens=11, seconds=1.0)  # plain now 1.5% ahead: within 5%
+    for _ in range(30):
+        step(policy, 1, 0, rate=11.3)  # plain now 3% ahead: within 5%
     assert policy.choose(1, greedy=True) == 1
     for _ in range(10):
-        policy.record(1, True, 0, tokens=14, seconds=1.0)
+        step(policy, 1, 0, rate=14)
     assert policy.choose(1, greedy=True) == 0
 
 
@@ -104,7 +114,7 @@ def test_an_arm_that_cannot_run_on_this_batch_is_never_chosen():
     arms = []
     for _ in range(12):
         arm = policy.choose(2, True, skip=frozenset({2}))
-        policy.record(2, True, arm, tokens=10 + 2 * arm, seconds=1.0)
+        step(policy, 2, arm, rate=10 + 2 * arm)
         arms.append(arm)
     assert 2 not in arms and arms.count(1) == 12  # the best of the rest, every step
     assert policy.countdown[(2, True, 1)] == countdown
@@ -116,3 +126,30 @@ def test_cli_names_every_speculation_choice():
     from specinfer.cli import SPECULATION
 
     assert set(SPECULATION) == set(SPECULATION_CHOICES)
+
+
+def test_each_sequence_speculates_where_its_own_drafts_fit():
+    """Tokens per step are pooled over sequences but conditioned on each one's own: after
+    a sequence whose drafts fit (2 tokens per step), one whose drafts all miss decodes
+    plainly once its own steps outweigh the pooled prior; a step with drafts costs 10%
+    more here."""
+    policy = SpeculationPolicy(2, explore_every=8, max_explore_every=8)
+
+    def generate(sequence: str, fit: int, steps: int) -> list[int]:
+        arms = []
+        for _ in range(steps):
+            arm = policy.choose(1, True, sequences=(sequence,))
+            tokens = fit if arm else 1
+            policy.record(1, True, arm, tokens, seconds=1.1 if arm else 1.0,
+                          per_sequence={sequence: tokens} if arm else None)
+            arms.append(arm)
+        policy.forget(sequence)
+        return arms
+
+    fits = generate("fits", 2, 60)
+    assert fits[2:].count(1) >= 50
+    misses = generate("misses", 1, 80)
+    assert misses[:10].count(1) >= 8  # the pooled yield says speculate...
+    assert misses[-30:].count(1) <= 4  # ...its own says not: only exploring steps do
+    assert policy.sequences == {}  # forgotten when done
+    assert generate("fits-too", 2, 10)[2:].count(1) >= 7  # a new one starts from the pool

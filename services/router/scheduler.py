@@ -116,32 +116,50 @@ SPECULATION_CHOICES = {"adaptive": ADAPTIVE_MODES, "always": (TREE,),
 
 
 class SpeculationPolicy:
-    """Decides, step by step, which speculation mode pays at the current batch size.
+    """Decides, step by step, which speculation mode pays for the current batch.
 
     Speculation trades extra work (drafting, a wider verification) for more tokens per LLM
-    step; whether that wins depends on the batch, the drafts' acceptance on this traffic
-    and the hardware. So it is measured, not assumed: for each arm (0 = plain decoding,
-    then one per mode), per batch-size bucket (1, 2, 3-4, 5-8, ...) and per kind of batch
-    (all greedy or not), discounted sums of output tokens and of seconds give its rate,
-    and each step takes the fastest arm (a challenger must beat the current choice by
+    step; whether that wins depends on the batch, on how well the drafts fit the text and
+    on the hardware. So it is measured, not assumed. An arm's rate (0 = plain decoding,
+    then one per mode) on a batch is the tokens it is expected to emit over the seconds
+    its step is expected to take:
+
+    - seconds per step are measured per arm, batch-size bucket (1, 2, 3-4, 5-8, ...) and
+      kind of batch (all greedy or not): they depend on the batch and the hardware, and
+      vary little from step to step;
+    - tokens per sequence and step are exactly 1 for plain decoding; for a mode they
+      depend on how well its drafts fit the text, not on the batch, so they are measured
+      per mode over all batch sizes (with a longer memory: they are noisy) and per
+      sequence, each sequence's own count shrunk toward the pooled one by
+      ``prior_steps``: drafts that keep missing one sequence stop costing it, drafts that
+      fit another keep it speculating.
+
+    Each step takes the fastest arm (a challenger must beat the current choice by
     ``margin``, so noise does not flip it back and forth). Each other arm is tried every
-    ``explore_every`` steps, so an estimate that went stale (different prompts, a colder
-    cache) is corrected; an arm whose tries keep losing is tried half as often each time,
-    down to one step in ``max_explore_every``, and an arm that loses by far is tried less
-    often from the start: a try of an arm at a fraction f of the best rate costs about
-    1/f - 1 steps, kept under ``explore_cost`` of the steps between tries."""
+    ``explore_every`` steps, so an estimate that went stale is corrected; an arm whose
+    tries keep losing is tried half as often each time, down to one step in
+    ``max_explore_every``, and an arm that loses by far is tried less often from the
+    start: a try of an arm at a fraction f of the best rate costs about 1/f - 1 steps,
+    kept under ``explore_cost`` of the steps between tries."""
 
     def __init__(self, arms: int = 2, explore_every: int = 16, smoothing: float = 0.1,
                  max_explore_every: int = 128, margin: float = 0.03,
-                 explore_cost: float = 0.01) -> None:
+                 explore_cost: float = 0.01, yield_smoothing: float = 0.02,
+                 prior_steps: float = 2.0) -> None:
         self.arms = arms
         self.explore_cost = explore_cost
         self.explore_every = explore_every
         self.max_explore_every = max_explore_every
         self.smoothing = smoothing
+        self.yield_smoothing = yield_smoothing
+        self.prior_steps = prior_steps
         self.margin = margin
-        # (bucket, greedy, arm) -> discounted [tokens, seconds]
-        self.sums: dict[tuple[int, bool, int], list[float]] = {}
+        # (bucket, greedy, arm) -> discounted [seconds, steps]
+        self.times: dict[tuple[int, bool, int], list[float]] = {}
+        # (greedy, arm) -> discounted [tokens per sequence, steps]; (sequence id, arm) ->
+        # the sequence's own [tokens, steps]
+        self.yields: dict[tuple[bool, int], list[float]] = {}
+        self.sequences: dict[tuple[str, int], list[float]] = {}
         self.choice: dict[tuple[int, bool], int] = {}
         # (bucket, greedy, arm) -> steps between tries of a non-chosen arm, steps to go
         self.interval: dict[tuple[int, bool, int], int] = {}
@@ -151,15 +169,37 @@ class SpeculationPolicy:
     def _key(batch: int, greedy: bool) -> tuple[int, bool]:
         return 1 << max(0, batch - 1).bit_length(), greedy
 
-    def rate(self, key: tuple[int, bool], arm: int) -> float | None:
-        s = self.sums.get((*key, arm))
-        return s[0] / s[1] if s else None
+    def tokens_per_step(self, greedy: bool, arm: int, sequence: str | None = None) -> float:
+        """Expected tokens one sequence emits in a step of ``arm``."""
+        if arm == 0:
+            return 1.0
+        pooled = self.yields.get((greedy, arm))
+        prior = pooled[0] / pooled[1] if pooled else 1.0
+        own = self.sequences.get((sequence, arm)) if sequence is not None else None
+        if own is None:
+            return prior
+        return (own[0] + self.prior_steps * prior) / (own[1] + self.prior_steps)
 
-    def choose(self, batch: int, greedy: bool, skip: frozenset[int] = frozenset()) -> int:
+    def rate(self, key: tuple[int, bool], arm: int, batch: int | None = None,
+             sequences: tuple[str, ...] = ()) -> float | None:
+        """Expected tokens per second of ``arm`` on a batch of ``batch`` sequences (default:
+        the bucket's size) of which ``sequences`` speculate; None if not measured yet."""
+        t = self.times.get((*key, arm))
+        if t is None or (arm and (key[1], arm) not in self.yields):
+            return None
+        batch = batch or key[0]
+        tokens = (batch - len(sequences)) * self.tokens_per_step(key[1], arm) + sum(
+            self.tokens_per_step(key[1], arm, seq) for seq in sequences)
+        return tokens / (t[0] / t[1])
+
+    def choose(self, batch: int, greedy: bool, skip: frozenset[int] = frozenset(),
+               sequences: tuple[str, ...] = ()) -> int:
         """The arm for this step; arms in ``skip`` cannot run on this batch (e.g. micro-batch
-        overlap on one sequence) and are neither chosen nor counted down."""
+        overlap on one sequence) and are neither chosen nor counted down. ``sequences``:
+        the ids of the batch's speculating sequences, for their own measured yields."""
         key = self._key(batch, greedy)
-        rates = [None if arm in skip else self.rate(key, arm) for arm in range(self.arms)]
+        rates = [None if arm in skip else self.rate(key, arm, batch, sequences)
+                 for arm in range(self.arms)]
         # Measure every arm first (the speculating ones, then plain decoding), except one
         # that lost by far at the next smaller batch size: speculation pays less as the
         # batch grows, so it starts as a loser here and is only tried rarely.
@@ -220,17 +260,36 @@ class SpeculationPolicy:
     def _try_after(self, slot: tuple[int, bool, int], steps: int) -> None:
         self.interval[slot] = self.countdown[slot] = steps
 
-    def record(self, batch: int, greedy: bool, arm: int, tokens: int, seconds: float) -> None:
+    def record(self, batch: int, greedy: bool, arm: int, tokens: int, seconds: float,
+               per_sequence: dict[str, int] | None = None) -> None:
+        """A step of ``arm`` on ``batch`` sequences emitted ``tokens`` in ``seconds``;
+        ``per_sequence``: what each speculating sequence emitted."""
         if seconds <= 0:
             return
         key = self._key(batch, greedy)
-        s = self.sums.setdefault((*key, arm), [0.0, 0.0])
-        s[0] = (1 - self.smoothing) * s[0] + tokens
-        s[1] = (1 - self.smoothing) * s[1] + seconds
+        _discount(self.times.setdefault((*key, arm), [0.0, 0.0]), seconds, self.smoothing)
+        if arm:
+            counts = list(per_sequence.values()) if per_sequence else [tokens / batch]
+            _discount(self.yields.setdefault((greedy, arm), [0.0, 0.0]),
+                      sum(counts) / len(counts), self.yield_smoothing)
+            for seq, n in (per_sequence or {}).items():
+                _discount(self.sequences.setdefault((seq, arm), [0.0, 0.0]), n,
+                          self.yield_smoothing)
         current = self.choice.get(key)
-        if current is not None and arm != current and self.rate(key, arm) > \
-                self.rate(key, current):
+        if current is not None and arm != current and (self.rate(key, arm) or 0) > \
+                (self.rate(key, current) or 0):
             self._try_after((*key, arm), self.explore_every)  # it may have caught up
+
+    def forget(self, sequence: str) -> None:
+        """Drop a finished sequence's own measurements."""
+        for arm in range(1, self.arms):
+            self.sequences.pop((sequence, arm), None)
+
+
+def _discount(acc: list[float], value: float, smoothing: float) -> None:
+    """Discounted running sums [value, count]: their ratio is a mean that forgets."""
+    acc[0] = (1 - smoothing) * acc[0] + value
+    acc[1] = (1 - smoothing) * acc[1] + 1
 
 
 class Scheduler:
@@ -488,7 +547,7 @@ class Scheduler:
     async def _step(self) -> None:
         started = time.monotonic()
         batch = list(self.running)
-        emitted = sum(len(r.generated) for r in batch)
+        before = {r.id: len(r.generated) for r in batch}
         greedy = all(r.params.greedy for r in batch)
         speculate = [r for r in batch if r.speculation
                      and r.replica.max_context - len(r.history) > 2]
@@ -501,7 +560,8 @@ class Scheduler:
                 arm = self.policy.choose(len(batch), greedy, skip=frozenset(
                     1 + i for i, m in enumerate(self.modes)
                     if (m.overlap and len(speculate) < 2)
-                    or (not m.in_verifier and not self.spec_clients)))
+                    or (not m.in_verifier and not self.spec_clients)),
+                    sequences=tuple(r.id for r in speculate))
             elif self.modes[0].in_verifier or self.spec_clients:
                 arm = 1
         if arm == 0:
@@ -522,9 +582,10 @@ class Scheduler:
             drafted = bool(trees)
         if self.policy and len(batch) <= self.spec_max_batch \
                 and any(r.speculation for r in batch):
+            emitted = {r.id: len(r.generated) - before[r.id] for r in batch}
             self.policy.record(len(batch), greedy, arm if drafted else 0,
-                               sum(len(r.generated) for r in batch) - emitted,
-                               time.monotonic() - started)
+                               sum(emitted.values()), time.monotonic() - started,
+                               {r.id: emitted[r.id] for r in speculate} if drafted else None)
 
     async def _overlapped_step(self, batch: list[GenRequest], speculate: list[GenRequest],
                                budget: int, mode: SpeculationMode) -> bool:
@@ -665,6 +726,8 @@ class Scheduler:
                 return
 
     async def _finish(self, req: GenRequest, reason: str) -> None:
+        if self.policy:
+            self.policy.forget(req.id)
         if req in self.running:
             self.running.remove(req)
         replica = req.replica
@@ -680,6 +743,8 @@ class Scheduler:
         await req.events.put(("done", reason))
 
     def _fail(self, req: GenRequest, exc: Exception) -> None:
+        if self.policy:
+            self.policy.forget(req.id)
         req.error = exc
         if req in self.running:
             self.running.remove(req)
