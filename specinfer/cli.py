@@ -12,7 +12,7 @@ from specinfer.models import DEFAULT_LLM, ModelError
 log = logging.getLogger("specinfer")
 # The router's --speculation modes (services.router.scheduler.SPECULATION_CHOICES; named
 # here so the CLI starts without importing torch).
-SPECULATION = ("adaptive", "always", "overlap")
+SPECULATION = ("adaptive", "always", "overlap", "lookup")
 DATASTORE_CHOICES = ("auto (the ShareGPT datastore for the LLM's tokenizer, built once and "
                      "cached; none if the LLM has no tokenizer), none, or a saved .npz")
 
@@ -145,7 +145,8 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculation", choices=SPECULATION, default="adaptive",
                    help="adaptive: per batch size, the mode that measures fastest (plain "
                         "steps included); always: the SSM tree on every step; overlap: the "
-                        "SSM tree, drafting for one micro-batch while the other is verified")
+                        "SSM tree, drafting for one micro-batch while the other is verified; "
+                        "lookup: 2 model-free draft tokens drafted by the verifier, every step")
 
 
 def serve_router(args: argparse.Namespace) -> int:

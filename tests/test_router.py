@@ -385,3 +385,16 @@ def test_killing_the_speculator_then_a_verifier_loses_nothing(stack, reference):
         assert ids == reference[prompt]
     with Client(stack["addr"]) as c:  # and the stack still serves
         assert c.generate(PROMPTS[2], max_tokens=24).token_ids == reference[PROMPTS[2]]
+
+
+def test_a_shadow_draft_counts_the_tokens_a_step_would_have_accepted():
+    from services.router.scheduler import _accepted
+
+    # Root -> 5 -> 6 -> 7, and root -> 8.
+    tokens, parents = [5, 6, 8, 7], [-1, 0, -1, 1]
+    assert _accepted(tokens, parents, [5, 6, 7, 9]) == (3, True)  # a leaf reached
+    assert _accepted(tokens, parents, [5, 9]) == (1, True)  # a mismatch
+    assert _accepted(tokens, parents, [8]) == (1, True)
+    assert _accepted(tokens, parents, [5, 6]) == (2, False)  # not settled yet
+    assert _accepted(tokens[:2], parents[:2], [5, 6]) == (2, True)  # a 2-node budget
+    assert _accepted([], [], []) == (0, True)

@@ -193,24 +193,31 @@ def test_trees_drafted_by_the_verifier_keep_greedy_output(engine, hf_model):
     the sequence's own tokens, within the budget; the output is plain greedy decoding's."""
     prompt = [5, 6, 7, 8, 9] * 5 + [5, 6]
     root = engine.prefill([PrefillSpec("s", prompt)])[0].token
-    tokens, drafted, steps = [root], [], 0
+    tokens, drafted, shadow = [root], [], None
     while len(tokens) < 30:
-        out = engine.verify([("s", tokens[-1], TokenTree())], draft_nodes=[3])[0]
+        out = engine.verify([("s", tokens[-1], TokenTree())], draft_nodes=[3],
+                            shadow_nodes=[3])[0]
         assert out.drafted_nodes <= 3
+        if shadow is not None:  # the shadow draft was this step's tree
+            assert out.drafted_nodes == len(shadow)
+        shadow = out.next_draft
         drafted.append(out.drafted_nodes)
         tokens += out.tokens
-        steps += 1
     assert tokens[:30] == hf_greedy(hf_model, prompt, 30)
     assert sum(drafted) > 0
+    assert engine.decode([("s", tokens[-1])])[0].next_draft is None
+    assert len(engine.decode([("s", engine.sequences["s"].root)],
+                             shadow_nodes=[2])[0].next_draft) <= 2
 
 
-@pytest.mark.parametrize("tree,nodes,message", [
-    (TokenTree.chain([1]), 2, "not both"),
-    (TokenTree(), 25, "outside"),
+@pytest.mark.parametrize("tree,nodes,shadow,field,message", [
+    (TokenTree.chain([1]), 2, 0, "draft_nodes", "not both"),
+    (TokenTree(), 25, 0, "draft_nodes", "outside"),
+    (TokenTree(), 0, 25, "shadow_nodes", "outside"),
 ])
-def test_bad_draft_requests_name_the_field(engine, tree, nodes, message):
+def test_bad_draft_requests_name_the_field(engine, tree, nodes, shadow, field, message):
     root = engine.prefill([PrefillSpec("s", [1, 2, 3])])[0].token
     with pytest.raises(InvalidArgument, match=message) as err:
-        engine.verify([("s", root, tree)], draft_nodes=[nodes])
-    assert err.value.field == "items[0].draft_nodes"
+        engine.verify([("s", root, tree)], draft_nodes=[nodes], shadow_nodes=[shadow])
+    assert err.value.field == f"items[0].{field}"
     assert engine.sequences["s"].tokens == [1, 2, 3, root]

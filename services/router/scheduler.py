@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specinfer.errors import InvalidArgument, ResourceExhausted, ServiceError
 from specinfer.grpc_server import CHANNEL_OPTIONS
 from specinfer.sampling import SamplingParams, TokenLogprob
+from specinfer.tree import ROOT
 from specinfer.v1 import (
     common_pb2,
     speculator_pb2,
@@ -64,6 +65,9 @@ class GenRequest:
     created: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
     deadline: float | None = None  # time.monotonic() by which the client gives up
+    # Model-free trees the verifier drafted but did not verify, waiting for the tokens
+    # that show how they would have fared: (index in generated, tokens, parents).
+    shadows: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
 
     @property
     def history(self) -> list[int]:
@@ -104,15 +108,16 @@ TREE_OVERLAP = SpeculationMode("tree-overlap", overlap=True)
 # What adaptive speculation chooses from, besides plain decoding (arm 0). Model-free drafts
 # (corpus datastore, prompt lookup) cost almost nothing to make, so small trees of them can
 # pay where SSM trees do not (a CPU verifier, a large batch); which mode wins is measured.
+LOOKUP = SpeculationMode("lookup-2", max_nodes=2, in_verifier=True)
 ADAPTIVE_MODES = (
-    SpeculationMode("lookup-2", max_nodes=2, in_verifier=True),
+    LOOKUP,
     SpeculationMode("lookup-6", max_nodes=6, in_verifier=True),
     TREE,
     TREE_OVERLAP,
 )
 # --speculation: adaptive, or one mode on every step.
 SPECULATION_CHOICES = {"adaptive": ADAPTIVE_MODES, "always": (TREE,),
-                       "overlap": (TREE_OVERLAP,)}
+                       "overlap": (TREE_OVERLAP,), "lookup": (LOOKUP,)}
 
 
 class SpeculationPolicy:
@@ -142,7 +147,7 @@ class SpeculationPolicy:
     start: a try of an arm at a fraction f of the best rate costs about 1/f - 1 steps,
     kept under ``explore_cost`` of the steps between tries."""
 
-    def __init__(self, arms: int = 2, explore_every: int = 16, smoothing: float = 0.1,
+    def __init__(self, arms: int = 2, explore_every: int = 16, smoothing: float = 0.03,
                  max_explore_every: int = 128, margin: float = 0.03,
                  explore_cost: float = 0.01, yield_smoothing: float = 0.02,
                  prior_steps: float = 2.0) -> None:
@@ -260,25 +265,30 @@ class SpeculationPolicy:
     def _try_after(self, slot: tuple[int, bool, int], steps: int) -> None:
         self.interval[slot] = self.countdown[slot] = steps
 
-    def record(self, batch: int, greedy: bool, arm: int, tokens: int, seconds: float,
+    def record(self, batch: int, greedy: bool, arm: int, seconds: float,
                per_sequence: dict[str, int] | None = None) -> None:
-        """A step of ``arm`` on ``batch`` sequences emitted ``tokens`` in ``seconds``;
-        ``per_sequence``: what each speculating sequence emitted."""
+        """A step of ``arm`` on ``batch`` sequences took ``seconds``; ``per_sequence``: the
+        tokens each speculating sequence emitted, if they measure the arm's drafts."""
         if seconds <= 0:
             return
         key = self._key(batch, greedy)
         _discount(self.times.setdefault((*key, arm), [0.0, 0.0]), seconds, self.smoothing)
-        if arm:
-            counts = list(per_sequence.values()) if per_sequence else [tokens / batch]
-            _discount(self.yields.setdefault((greedy, arm), [0.0, 0.0]),
-                      sum(counts) / len(counts), self.yield_smoothing)
-            for seq, n in (per_sequence or {}).items():
-                _discount(self.sequences.setdefault((seq, arm), [0.0, 0.0]), n,
-                          self.yield_smoothing)
+        for seq, n in (per_sequence or {}).items():
+            self.record_yield(greedy, arm, seq, n)
         current = self.choice.get(key)
         if current is not None and arm != current and (self.rate(key, arm) or 0) > \
                 (self.rate(key, current) or 0):
             self._try_after((*key, arm), self.explore_every)  # it may have caught up
+
+    def record_yield(self, greedy: bool, arm: int, sequence: str, tokens: int) -> None:
+        """A step of ``arm`` emitted (or, for a shadow draft, would have emitted)
+        ``tokens`` for ``sequence``."""
+        if arm == 0:
+            return
+        _discount(self.yields.setdefault((greedy, arm), [0.0, 0.0]), tokens,
+                  self.yield_smoothing)
+        _discount(self.sequences.setdefault((sequence, arm), [0.0, 0.0]), tokens,
+                  self.yield_smoothing)
 
     def forget(self, sequence: str) -> None:
         """Drop a finished sequence's own measurements."""
@@ -309,6 +319,12 @@ class Scheduler:
         self.spec_max_batch = spec_max_batch
         self.modes = SPECULATION_CHOICES[speculation]
         self.policy = SpeculationPolicy(1 + len(self.modes)) if len(self.modes) > 1 else None
+        # The verifier's model-free modes are measured on every step, not only when they
+        # run: it drafts (without verifying) the largest of their trees for the next step,
+        # and what the sequence then emits shows how each would have fared.
+        self.shadow_arms = [(1 + i, m.max_nodes) for i, m in enumerate(self.modes)
+                            if m.in_verifier] if self.policy else []
+        self.shadow_nodes = max((n for _, n in self.shadow_arms), default=0)
         # Trees drafted during the last step's second half for the next step's first
         # micro-batch (overlap mode): sequence id -> (history length drafted for, node
         # budget, tree).
@@ -570,22 +586,25 @@ class Scheduler:
         budget = max(4, 64 // max(1, len(speculate)))
         if mode is not None and mode.overlap and len(speculate) >= 2:
             drafted = await self._overlapped_step(batch, speculate, budget, mode)
-        elif mode is not None and mode.in_verifier:
-            self.prefetched.clear()
-            await self._verify_all(batch, {}, {r.id: self._node_budget(r, budget, mode)
-                                               for r in speculate})
-            drafted = True
         else:
             self.prefetched.clear()
-            trees = await self._speculate(speculate, budget, mode) if speculate else {}
-            await self._verify_all(batch, trees)
-            drafted = bool(trees)
+            shadow = len(batch) <= self.spec_max_batch
+            if mode is not None and mode.in_verifier:
+                await self._verify_all(batch, {}, {r.id: self._node_budget(r, budget, mode)
+                                                   for r in speculate}, shadow)
+                drafted = True
+            else:
+                trees = await self._speculate(speculate, budget, mode) if speculate else {}
+                await self._verify_all(batch, trees, shadow=shadow)
+                drafted = bool(trees)
         if self.policy and len(batch) <= self.spec_max_batch \
                 and any(r.speculation for r in batch):
-            emitted = {r.id: len(r.generated) - before[r.id] for r in batch}
+            # The verifier's model-free modes are measured by their shadow drafts.
+            measured = drafted and not mode.in_verifier
             self.policy.record(len(batch), greedy, arm if drafted else 0,
-                               sum(emitted.values()), time.monotonic() - started,
-                               {r.id: emitted[r.id] for r in speculate} if drafted else None)
+                               time.monotonic() - started,
+                               {r.id: len(r.generated) - before[r.id] for r in speculate}
+                               if measured else None)
 
     async def _overlapped_step(self, batch: list[GenRequest], speculate: list[GenRequest],
                                budget: int, mode: SpeculationMode) -> bool:
@@ -613,16 +632,18 @@ class Scheduler:
         return bool(trees or second_trees)
 
     async def _verify_all(self, reqs: list[GenRequest], trees: dict,
-                          draft_nodes: dict[str, int] | None = None) -> None:
+                          draft_nodes: dict[str, int] | None = None,
+                          shadow: bool = False) -> None:
         """Verify (or decode) ``reqs`` that are still running, each verifier replica's
         share in one call, replicas in parallel. ``trees``: the speculator's, by sequence
-        id; ``draft_nodes``: node budgets of sequences the verifier drafts for itself."""
+        id; ``draft_nodes``: node budgets of sequences the verifier drafts for itself;
+        ``shadow``: ask for the shadow drafts that measure the model-free modes."""
         by_replica: dict[str, list[GenRequest]] = {}
         for r in reqs:
             if r not in self.running or r.replica is None:
                 continue
             by_replica.setdefault(r.replica.address, []).append(r)
-        await _together(*(self._verify(rs, trees, draft_nodes or {})
+        await _together(*(self._verify(rs, trees, draft_nodes or {}, shadow)
                           for rs in by_replica.values()))
 
     def _requeue(self, req: GenRequest) -> None:
@@ -636,20 +657,24 @@ class Scheduler:
         self.waiting.insert(0, req)
 
     async def _verify(self, reqs: list[GenRequest], trees: dict,
-                      draft_nodes: dict[str, int]) -> None:
+                      draft_nodes: dict[str, int], shadow: bool = False) -> None:
         replica = reqs[0].replica
         with_tree = [r for r in reqs if r.id in trees or draft_nodes.get(r.id, 0) > 0]
         plain = [r for r in reqs if r not in with_tree]
+        shadow_nodes = {r.id: min(self.shadow_nodes, replica.max_tree_nodes)
+                        if shadow and r.speculation else 0 for r in reqs}
         calls = []
         if with_tree:
             calls.append(replica.rpc.Verify(verifier_pb2.VerifyRequest(items=[
                 verifier_pb2.VerifyItem(sequence_id=r.id, root_token=r.generated[-1],
                                         tree=trees.get(r.id),
-                                        draft_nodes=draft_nodes.get(r.id, 0))
+                                        draft_nodes=draft_nodes.get(r.id, 0),
+                                        shadow_nodes=shadow_nodes[r.id])
                 for r in with_tree]), timeout=self._timeout(with_tree)))
         if plain:
             calls.append(replica.rpc.Decode(verifier_pb2.DecodeRequest(items=[
-                verifier_pb2.DecodeItem(sequence_id=r.id, root_token=r.generated[-1])
+                verifier_pb2.DecodeItem(sequence_id=r.id, root_token=r.generated[-1],
+                                        shadow_nodes=shadow_nodes[r.id])
                 for r in plain]), timeout=self._timeout(plain)))
         started = time.monotonic()
         try:
@@ -674,16 +699,19 @@ class Scheduler:
         outs = []
         if with_tree:
             for r, res in zip(with_tree, results[0].results, strict=True):
-                outs.append((r, list(res.tokens), list(res.logprobs)))
+                outs.append((r, list(res.tokens), list(res.logprobs), res))
                 r.drafted += res.drafted_nodes
                 r.speculative_steps += res.drafted_nodes > 0
         for r in reqs:
             r.verify_s += time.monotonic() - started
         if plain:
-            outs += [(r, [res.token], _logprobs(res))
+            outs += [(r, [res.token], _logprobs(res), res)
                      for r, res in zip(plain, results[-1].results, strict=True)]
-        for r, tokens, logprobs in outs:
+        for r, tokens, logprobs, res in outs:
             await self._emit(r, tokens, logprobs, step=True)
+            if res.HasField("next_draft") and not r.finish_reason:
+                r.shadows.append((len(r.generated), list(res.next_draft.tokens),
+                                  list(res.next_draft.parents)))
 
     async def _emit(self, req: GenRequest, tokens: list[int],
                     logprobs: list[common_pb2.TokenLogprob], step: bool) -> None:
@@ -710,9 +738,25 @@ class Scheduler:
             req.finish_reason = "length"
         if step:
             req.accepted_per_step.append(len(new))
+            self._measure_shadows(req)
         await req.events.put(("tokens", new))
         if req.finish_reason:
             await self._finish(req, req.finish_reason)
+
+    def _measure_shadows(self, req: GenRequest) -> None:
+        """Each shadow draft whose outcome the emitted tokens now settle: how many tokens a
+        step of each model-free mode (its first nodes of the tree) would have emitted."""
+        pending = []
+        for start, tokens, parents in req.shadows:
+            emitted = req.generated[start:]
+            outcomes = [(arm, _accepted(tokens[:n], parents[:n], emitted))
+                        for arm, n in self.shadow_arms]
+            if all(settled for _, (_, settled) in outcomes):
+                for arm, (accepted, _) in outcomes:
+                    self.policy.record_yield(req.params.greedy, arm, req.id, 1 + accepted)
+            else:
+                pending.append((start, tokens, parents))
+        req.shadows = pending
 
     def _cut_at_stop_string(self, req: GenRequest, start: int) -> None:
         """If the text now holds a stop string, keep only the tokens up to the one that
@@ -782,6 +826,24 @@ async def _together(*steps):
         if isinstance(r, BaseException):
             raise r
     return results
+
+
+def _accepted(tokens: list[int], parents: list[int], emitted: list[int]) -> tuple[int, bool]:
+    """How many of a tree's tokens the emitted ones follow from the root, and whether that
+    is settled (a mismatch or a leaf reached, not the end of what was emitted so far).
+    Exact for greedy steps; for sampled ones it is the same event in distribution, since
+    a one-hot draft is accepted exactly when the LLM's sample is its token."""
+    node, depth = ROOT, 0
+    while True:
+        children = [j for j, p in enumerate(parents) if p == node]
+        if not children:
+            return depth, True
+        if depth == len(emitted):
+            return depth, False
+        node = next((j for j in children if tokens[j] == emitted[depth]), None)
+        if node is None:
+            return depth, True
+        depth += 1
 
 
 def _logprobs(result) -> list[common_pb2.TokenLogprob]:

@@ -91,6 +91,7 @@ class VerifyOut:
     cached_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, if asked for
     drafted_nodes: int = 0  # the tree's nodes, sent or drafted here
+    next_draft: TokenTree | None = None  # a model-free tree for the next step, if asked for
 
 
 class VerifierEngine:
@@ -225,12 +226,18 @@ class VerifierEngine:
     # --- verification -----------------------------------------------------------------
 
     def verify(self, items: list[tuple[str, int, TokenTree]],
-               draft_nodes: list[int] | None = None) -> list[VerifyOut]:
+               draft_nodes: list[int] | None = None,
+               shadow_nodes: list[int] | None = None) -> list[VerifyOut]:
         """One forward for all trees; ``items``: (sequence id, root token, tree). An item
         whose tree is empty and whose ``draft_nodes`` entry is positive gets a model-free
-        tree of at most that many nodes, drafted here from the sequence's own tokens."""
+        tree of at most that many nodes, drafted here from the sequence's own tokens; one
+        whose ``shadow_nodes`` entry is positive also gets, unverified, the model-free tree
+        of at most that many nodes for its next step."""
         self._check_unique([sid for sid, _, _ in items])
         draft_nodes = draft_nodes or [0] * len(items)
+        shadow_nodes = shadow_nodes or [0] * len(items)
+        if len(draft_nodes) != len(items) or len(shadow_nodes) != len(items):
+            raise InvalidArgument("items", "one draft and shadow budget per item")
         seqs, trees = [], []
         for i, ((sid, root, tree), nodes) in enumerate(zip(items, draft_nodes, strict=True)):
             seq = self._live(f"items[{i}].sequence_id", sid)
@@ -240,9 +247,10 @@ class VerifierEngine:
             if nodes and len(tree):
                 raise InvalidArgument(f"items[{i}].draft_nodes",
                                       "set with a tree: send a tree or ask for a draft, not both")
-            if not 0 <= nodes <= self.config.max_tree_nodes:
-                raise InvalidArgument(f"items[{i}].draft_nodes", f"{nodes} is outside "
-                                      f"[0, {self.config.max_tree_nodes}]")
+            for name, n in (("draft_nodes", nodes), ("shadow_nodes", shadow_nodes[i])):
+                if not 0 <= n <= self.config.max_tree_nodes:
+                    raise InvalidArgument(f"items[{i}].{name}", f"{n} is outside "
+                                          f"[0, {self.config.max_tree_nodes}]")
             if len(tree) > self.config.max_tree_nodes:
                 raise InvalidArgument(f"items[{i}].tree", f"{len(tree)} nodes exceed the budget "
                                       f"of {self.config.max_tree_nodes}")
@@ -269,8 +277,12 @@ class VerifierEngine:
         ))
         results = verify_batch(logits, trees, [s.params for s in seqs],
                                [s.generator for s in seqs])
-        return [self._accept(seq, tree, acc, logits[b])
+        outs = [self._accept(seq, tree, acc, logits[b])
                 for b, (seq, tree, acc) in enumerate(zip(seqs, trees, results, strict=True))]
+        for seq, out, nodes in zip(seqs, outs, shadow_nodes, strict=True):
+            if nodes:
+                out.next_draft = self.drafter.tree(seq.tokens, nodes, self.vocab_size)
+        return outs
 
     def _accept(self, seq: SequenceState, tree: TokenTree, acc: Accepted,
                 logits: torch.Tensor) -> VerifyOut:
@@ -285,9 +297,11 @@ class VerifierEngine:
         return VerifyOut(seq.id, acc.tokens, acc.nodes, seq.cached,
                          self._logprobs(logits, rows, acc.tokens, seq.params), len(tree))
 
-    def decode(self, items: list[tuple[str, int]]) -> list[VerifyOut]:
+    def decode(self, items: list[tuple[str, int]],
+               shadow_nodes: list[int] | None = None) -> list[VerifyOut]:
         """Incremental decoding: a verification of empty trees."""
-        return self.verify([(sid, root, TokenTree()) for sid, root in items])
+        return self.verify([(sid, root, TokenTree()) for sid, root in items],
+                           shadow_nodes=shadow_nodes)
 
     # --- lifetime ---------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ import grpc
 
 from services.verifier.engine import PrefillSpec, VerifierEngine
 from specinfer.grpc_server import abort_on_error, serve_engine
-from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
+from specinfer.tree import TokenTree
+from specinfer.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specinfer.wire import logprob_to_proto, sampling_from_proto, tree_from_proto
 
 log = logging.getLogger(__name__)
@@ -69,24 +70,28 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def Verify(self, request, context):
         draft_nodes = [item.draft_nodes for item in request.items]
+        shadow_nodes = [item.shadow_nodes for item in request.items]
         out = await self._call(context, "Verify", lambda: self.engine.verify(
-            self._parse_trees(request), draft_nodes))
+            self._parse_trees(request), draft_nodes, shadow_nodes))
         return verifier_pb2.VerifyResponse(results=[
             verifier_pb2.VerifyResult(sequence_id=r.sequence_id, tokens=r.tokens,
                                       accepted_nodes=r.accepted_nodes,
                                       cached_tokens=r.cached_tokens,
                                       logprobs=[logprob_to_proto(lp) for lp in r.logprobs],
-                                      drafted_nodes=r.drafted_nodes)
+                                      drafted_nodes=r.drafted_nodes,
+                                      next_draft=_shape(r.next_draft))
             for r in out
         ])
 
     async def Decode(self, request, context):
         items = [(it.sequence_id, it.root_token) for it in request.items]
-        out = await self._call(context, "Decode", self.engine.decode, items)
+        out = await self._call(context, "Decode", self.engine.decode, items,
+                               [it.shadow_nodes for it in request.items])
         return verifier_pb2.DecodeResponse(results=[
             verifier_pb2.DecodeResult(sequence_id=r.sequence_id, token=r.tokens[0],
                                       cached_tokens=r.cached_tokens,
-                                      logprob=_first_logprob(r.logprobs)) for r in out
+                                      logprob=_first_logprob(r.logprobs),
+                                      next_draft=_shape(r.next_draft)) for r in out
         ])
 
     async def Release(self, request, context):
@@ -97,6 +102,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Info(self, request, context):
         info = await self._call(context, "Info", self.engine.info)
         return verifier_pb2.InfoResponse(**info)
+
+
+def _shape(tree: TokenTree | None) -> common_pb2.TokenTree | None:
+    """A tree's tokens and parents only: a shadow draft is measured, never verified."""
+    return None if tree is None else common_pb2.TokenTree(tokens=tree.tokens,
+                                                          parents=tree.parents)
 
 
 def _first_logprob(logprobs: list) -> object:

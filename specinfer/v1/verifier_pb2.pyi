@@ -44,16 +44,18 @@ class PrefillResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PrefillResult, _Mapping]]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("sequence_id", "root_token", "tree", "draft_nodes")
+    __slots__ = ("sequence_id", "root_token", "tree", "draft_nodes", "shadow_nodes")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_NODES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     root_token: int
     tree: _common_pb2.TokenTree
     draft_nodes: int
-    def __init__(self, sequence_id: _Optional[str] = ..., root_token: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft_nodes: _Optional[int] = ...) -> None: ...
+    shadow_nodes: int
+    def __init__(self, sequence_id: _Optional[str] = ..., root_token: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft_nodes: _Optional[int] = ..., shadow_nodes: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)
@@ -62,20 +64,22 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("sequence_id", "tokens", "accepted_nodes", "cached_tokens", "logprobs", "drafted_nodes")
+    __slots__ = ("sequence_id", "tokens", "accepted_nodes", "cached_tokens", "logprobs", "drafted_nodes", "next_draft")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DRAFT_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     cached_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     drafted_nodes: int
-    def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., drafted_nodes: _Optional[int] = ...) -> None: ...
+    next_draft: _common_pb2.TokenTree
+    def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., drafted_nodes: _Optional[int] = ..., next_draft: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results",)
@@ -84,12 +88,14 @@ class VerifyResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
 
 class DecodeItem(_message.Message):
-    __slots__ = ("sequence_id", "root_token")
+    __slots__ = ("sequence_id", "root_token", "shadow_nodes")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_NODES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     root_token: int
-    def __init__(self, sequence_id: _Optional[str] = ..., root_token: _Optional[int] = ...) -> None: ...
+    shadow_nodes: int
+    def __init__(self, sequence_id: _Optional[str] = ..., root_token: _Optional[int] = ..., shadow_nodes: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("items",)
@@ -98,16 +104,18 @@ class DecodeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
-    __slots__ = ("sequence_id", "token", "cached_tokens", "logprob")
+    __slots__ = ("sequence_id", "token", "cached_tokens", "logprob", "next_draft")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DRAFT_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     token: int
     cached_tokens: int
     logprob: _common_pb2.TokenLogprob
-    def __init__(self, sequence_id: _Optional[str] = ..., token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    next_draft: _common_pb2.TokenTree
+    def __init__(self, sequence_id: _Optional[str] = ..., token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., next_draft: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("results",)
