@@ -304,7 +304,7 @@ def _discount(acc: list[float], value: float, smoothing: float) -> None:
 
 class Scheduler:
     def __init__(self, verifiers: list[str], speculators: list[str], *, eos_ids: list[int],
-                 max_waiting: int = 64, spec_max_batch: int = 4,
+                 max_waiting: int = 64, spec_max_batch: int = 2,
                  expansion: list[int] | None = None, max_nodes: int = 0,
                  step_timeout_s: float = 60.0, speculate_timeout_s: float = 10.0,
                  prefill_token_budget: int = 4096, detokenize=None,
