@@ -3,8 +3,9 @@ MT-Bench streams each, runs interleaved (mode A, B, C, A, B, C, ...) so drift ca
 
 Answers "does micro-batch overlap pay here": ``overlap`` drafts for one half of the batch
 while the other half is verified; ``always`` drafts for the whole batch, then verifies it.
+The mode ``off`` is a stack whose requests all ask for no speculation: the baseline.
 
-    python bench/modes.py [--modes always,overlap,adaptive] [--streams 4] [--reps 3]
+    python bench/modes.py [--modes off,always,overlap,adaptive,lookup] [--streams 4] [--reps 3]
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ from specinfer.data import mtbench_first_turns  # noqa: E402
 from specinfer.models import DEFAULT_LLM, load_tokenizer  # noqa: E402
 
 
-async def _load(addr: str, prompts: list[str], streams: int, new_tokens: int) -> float:
-    """Output tokens per second of ``streams`` concurrent greedy requests."""
+async def _load(addr: str, prompts: list[str], streams: int, new_tokens: int,
+                speculation: bool = True, first: int = 0) -> float:
+    """Output tokens per second of ``streams`` concurrent greedy requests, on the prompts
+    from index ``first`` on."""
     async with AsyncClient(addr, timeout=1800) as client:
         t = time.perf_counter()
-        outs = await asyncio.gather(*(client.generate(prompts[i % len(prompts)],
-                                                      max_tokens=new_tokens)
+        outs = await asyncio.gather(*(client.generate(prompts[(first + i) % len(prompts)],
+                                                      max_tokens=new_tokens,
+                                                      speculation=speculation)
                                       for i in range(streams)))
         return sum(o.completion_tokens for o in outs) / (time.perf_counter() - t)
 
@@ -57,16 +61,19 @@ def main() -> None:
             port = _free_port()
             stacks[mode] = (port, subprocess.Popen(
                 [sys.executable, "-m", "specinfer", "up", "--port", str(port),
-                 "--http-port", "0", "--speculation", mode, "--slots", str(max(8, args.streams))],
+                 "--http-port", "0", "--speculation", "adaptive" if mode == "off" else mode,
+                 "--slots", str(max(8, args.streams))],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             _wait(f"127.0.0.1:{port}", stacks[mode][1])  # one at a time: they share cores
-        for port, _ in stacks.values():  # warm-up (and the policy's first tries)
-            asyncio.run(_load(f"127.0.0.1:{port}", prompts, args.streams, args.new_tokens))
+        for mode, (port, _) in stacks.items():  # warm-up (and the policy's first tries)
+            asyncio.run(_load(f"127.0.0.1:{port}", prompts, args.streams, args.new_tokens,
+                              mode != "off"))
         rates: dict[str, list[float]] = {m: [] for m in stacks}
-        for _ in range(args.reps):
+        for rep in range(args.reps):  # each run on the next prompts
             for mode, (port, _) in stacks.items():
                 rates[mode].append(asyncio.run(_load(f"127.0.0.1:{port}", prompts,
-                                                     args.streams, args.new_tokens)))
+                                                     args.streams, args.new_tokens,
+                                                     mode != "off", rep * args.streams)))
     finally:
         for _, proc in stacks.values():
             proc.send_signal(signal.SIGTERM)

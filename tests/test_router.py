@@ -398,3 +398,34 @@ def test_a_shadow_draft_counts_the_tokens_a_step_would_have_accepted():
     assert _accepted(tokens, parents, [5, 6]) == (2, False)  # not settled yet
     assert _accepted(tokens[:2], parents[:2], [5, 6]) == (2, True)  # a 2-node budget
     assert _accepted([], [], []) == (0, True)
+
+
+def test_streamed_text_never_holds_part_of_a_stop_string():
+    """Text that may begin a stop string is held back until it cannot, or the request ends:
+    a client never sees "a" of stop "abc"; held text that turns out not to be a stop
+    string is sent with the next delta."""
+    from types import SimpleNamespace
+
+    from services.router.scheduler import GenRequest
+    from services.router.server import Generation
+    from specinfer.sampling import SamplingParams
+
+    fe = SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)))
+
+    def stream(chunks: list[str], finish: str) -> list[str]:
+        req = GenRequest([1], 64, SamplingParams(), stop=["abc", "zz"])
+
+        async def collect() -> list[str]:
+            deltas, out = Generation(req, fe).deltas(), []
+            for chunk in chunks:  # the scheduler's steps, one at a time
+                req.generated += [ord(ch) for ch in chunk]
+                req.events.put_nowait(("tokens", [ord(ch) for ch in chunk]))
+                out.append((await deltas.__anext__())[1])
+            req.events.put_nowait(("done", finish))
+            out.append((await deltas.__anext__())[1])
+            return out
+
+        return asyncio.run(collect())
+
+    assert stream(["xa", "b", "d", "z"], "length") == ["x", "", "abd", "", "z"]
+    assert stream(["xa", "b", "c", "yy"], "stop") == ["x", "", "", "", ""]

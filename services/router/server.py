@@ -173,6 +173,11 @@ class Generation:
                 text = text[:cut]
         if not final:
             text = text.rstrip("\ufffd")  # hold back an incomplete UTF-8 sequence
+            # ... and text that may be the start of a stop string, so no part of a stop
+            # string is ever streamed (as with TGI and vLLM).
+            held = max((k for stop in self.req.stop for k in range(1, len(stop))
+                        if text.endswith(stop[:k])), default=0)
+            text = text[: len(text) - held]
         return text
 
     async def deltas(self):
