@@ -99,3 +99,18 @@ def test_speculator_model_free_drafts_fit_the_budget_and_skip_the_ssms(tmp_path)
     full = engine.speculate([SpeculateSpec("u", context, max_nodes=15)])[0]
     assert 0 in {d.source for ds in full.drafts for d in ds}
     assert cheap.paths() <= full.paths()
+
+
+def test_a_smaller_lookup_budget_is_the_first_nodes_of_a_larger_one():
+    """The verifier reuses a shadow draft as the next step's tree, cut to that step's
+    budget: this holds only because the merged model-free tree is built best first."""
+    from specinfer.lookup import LookupDrafter
+
+    store = NgramDatastore.build([[5, 6, 7, 8, 9], [1, 2, 3, 7, 4]] * 2, max_n=2)
+    drafter = LookupDrafter(store, ngram_depth=4, ngram_branches=2, datastore_depth=3)
+    for context in ([1, 2, 3, 1, 2, 4, 5, 6], [7, 8, 9, 7, 4, 7, 8], [9, 9, 9, 9]):
+        big = drafter.tree(context, 8)
+        for n in range(1, 9):
+            small = drafter.tree(context, n)
+            cut = merge_trees([big], max_nodes=n)
+            assert (small.tokens, small.parents) == (cut.tokens, cut.parents)

@@ -28,7 +28,7 @@ from specinfer.sampling import (
     target_probs,
     token_logprobs,
 )
-from specinfer.tree import TokenTree, TreeBatch
+from specinfer.tree import TokenTree, TreeBatch, merge_trees
 from specinfer.verification import Accepted, verify_batch
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,9 @@ class SequenceState:
     generator: torch.Generator | None
     session_id: str = ""
     created: float = field(default_factory=time.monotonic)
+    # The last model-free tree drafted for it: (token count it was drafted for, node
+    # budget, tree). A shadow draft is the next step's tree: drafted once, not twice.
+    lookup: tuple[int, int, TokenTree] | None = None
 
     @property
     def cached(self) -> int:
@@ -236,8 +239,6 @@ class VerifierEngine:
         self._check_unique([sid for sid, _, _ in items])
         draft_nodes = draft_nodes or [0] * len(items)
         shadow_nodes = shadow_nodes or [0] * len(items)
-        if len(draft_nodes) != len(items) or len(shadow_nodes) != len(items):
-            raise InvalidArgument("items", "one draft and shadow budget per item")
         seqs, trees = [], []
         for i, ((sid, root, tree), nodes) in enumerate(zip(items, draft_nodes, strict=True)):
             seq = self._live(f"items[{i}].sequence_id", sid)
@@ -266,7 +267,7 @@ class VerifierEngine:
         for i, (seq, nodes) in enumerate(zip(seqs, draft_nodes, strict=True)):
             room = self.config.max_context - seq.cached - 1
             if nodes and room > 0:  # all items are valid: now draft
-                trees[i] = self.drafter.tree(seq.tokens, min(nodes, room), self.vocab_size)
+                trees[i] = self._lookup(seq, min(nodes, room))
         batch = TreeBatch.build(trees, [s.root for s in seqs], [s.cached for s in seqs])
         q = batch.tokens.shape[1]
         key_len = int(batch.prefix_lens.max()) + q
@@ -281,8 +282,19 @@ class VerifierEngine:
                 for b, (seq, tree, acc) in enumerate(zip(seqs, trees, results, strict=True))]
         for seq, out, nodes in zip(seqs, outs, shadow_nodes, strict=True):
             if nodes:
-                out.next_draft = self.drafter.tree(seq.tokens, nodes, self.vocab_size)
+                out.next_draft = self._lookup(seq, nodes)
         return outs
+
+    def _lookup(self, seq: SequenceState, nodes: int) -> TokenTree:
+        """The model-free tree of at most ``nodes`` nodes below the sequence's last token,
+        reused if drafted already for these tokens: a smaller budget takes its first nodes
+        (the drafts are merged best first, so that is the smaller budget's tree)."""
+        if seq.lookup is not None and seq.lookup[0] == len(seq.tokens) \
+                and nodes <= seq.lookup[1]:
+            return merge_trees([seq.lookup[2]], max_nodes=nodes)
+        tree = self.drafter.tree(seq.tokens, nodes, self.vocab_size)
+        seq.lookup = (len(seq.tokens), nodes, tree)
+        return tree
 
     def _accept(self, seq: SequenceState, tree: TokenTree, acc: Accepted,
                 logits: torch.Tensor) -> VerifyOut:
