@@ -15,7 +15,9 @@ Stages, each saved under ``--out`` and skipped when already done:
 4. vocab     — the SSMs' reduced vocabulary: the LLM's most frequent top-1 tokens, so the
                draft head is a fraction of the LLM's.
 5. ssm-k     — SSM k starts from the LLM's first ``--layers`` layers, its norm, and a head of
-               the embedding rows of the reduced vocabulary; it is trained (soft cross-entropy
+               the embedding rows of the reduced vocabulary (or, with ``--init DIR``, from
+               an earlier pool's SSM k and vocabulary: continued training as more LLM text
+               accumulates); it is trained (soft cross-entropy
                to the LLM's distribution) with full weight on the positions where the pool so
                far misses the LLM's top-1 and ``--matched-weight`` on the rest.
 6. report    — per-SSM and pool top-1 match rates on the held-out LLM answers.
@@ -42,6 +44,7 @@ from tqdm import tqdm
 
 from specinfer.models import (
     SSM_MANIFEST,
+    ModelError,
     _truncate,
     load_model,
     load_ssm,
@@ -74,6 +77,7 @@ class BoostConfig:
     matched_weight: float = 0.2
     seed: int = 0
     max_minutes: float = 0.0  # on-policy training answers: stop after this long (0 = none)
+    init: Path | None = None  # warm start: an earlier pool's directory (same layers, vocab)
 
 
 # --- 1. prompts ---------------------------------------------------------------------------
@@ -304,6 +308,28 @@ def init_ssm(llm_ref: str, layers: int, vocab_ids: torch.Tensor):
     return model
 
 
+def start_ssm(cfg: BoostConfig, k: int, vocab_ids: torch.Tensor):
+    """SSM k's starting point: the earlier pool's SSM k when warm-starting (if it has one),
+    else the LLM's truncation."""
+    earlier = cfg.init / f"ssm-{k}" if cfg.init else None
+    if earlier is None or not (earlier / SSM_MANIFEST).exists():
+        return init_ssm(cfg.llm, cfg.layers, vocab_ids)
+    return load_ssm(str(earlier))[0]
+
+
+def check_init(cfg: BoostConfig) -> None:
+    """Before any work: a warm start needs an earlier pool of the same shape."""
+    if cfg.init is None:
+        return
+    manifest = cfg.init / "ssm-1" / SSM_MANIFEST
+    if not manifest.exists():
+        raise ModelError(f"--init {cfg.init}: no boost-tuned ssm-1 there")
+    layers = int(json.loads(manifest.read_text())["layers"])
+    if layers != cfg.layers:
+        raise ModelError(f"--init {cfg.init}: its SSMs have {layers} layers, "
+                         f"not --layers {cfg.layers}")
+
+
 def ssm_state(model, vocab_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The SSM's own weights: matrices int8 with per-row scales, vectors float16."""
     state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()
@@ -430,6 +456,7 @@ def match_rate(preds: list[torch.Tensor], examples: list[dict]) -> float:
 
 
 def boost_tune(cfg: BoostConfig) -> dict:
+    check_init(cfg)
     cfg.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     split_file = cfg.out / "prompts.json"
@@ -457,7 +484,10 @@ def boost_tune(cfg: BoostConfig) -> dict:
     train = load_chunks(cfg, "soft") + answers
     held = [answer_example(s) for s in load_chunks(cfg, "heldout")]
     eos = llm.generation_config.eos_token_id
-    vocab_ids = build_vocab(train, cfg.vocab, eos if isinstance(eos, list) else [eos])
+    if cfg.init:  # the earlier pool's head columns: its SSMs continue from their weights
+        vocab_ids = load_ssm(str(cfg.init / "ssm-1"))[1]
+    else:
+        vocab_ids = build_vocab(train, cfg.vocab, eos if isinstance(eos, list) else [eos])
     del llm
 
     report = {"llm": cfg.llm, "layers": cfg.layers, "vocab": len(vocab_ids),
@@ -473,7 +503,7 @@ def boost_tune(cfg: BoostConfig) -> dict:
     for k in range(1, cfg.pool_size + 1):
         path = cfg.out / f"ssm-{k}"
         if not (path / SSM_MANIFEST).exists():
-            model = init_ssm(cfg.llm, cfg.layers, vocab_ids)
+            model = start_ssm(cfg, k, vocab_ids)
             weights = None if k == 1 else [
                 torch.where(hit, torch.tensor(cfg.matched_weight), torch.tensor(1.0))
                 for hit in pool_train_hit]

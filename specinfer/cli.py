@@ -258,6 +258,9 @@ def _add_boost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--max-minutes", type=float, default=0.0,
                    help="also generate on-policy training answers for this long (0 = none)")
+    p.add_argument("--init", default=None,
+                   help="warm start: an earlier pool directory whose SSMs (and vocabulary) "
+                        "continue training on this run's data")
 
 
 def boost(args: argparse.Namespace) -> int:
@@ -270,7 +273,8 @@ def boost(args: argparse.Namespace) -> int:
                       heldout=args.heldout, distill_tokens=args.distill_tokens,
                       topk=args.topk, max_seq=args.max_seq, new_tokens=args.new_tokens,
                       gen_batch=args.gen_batch, epochs=args.epochs, lr=args.lr,
-                      max_minutes=args.max_minutes)
+                      max_minutes=args.max_minutes,
+                      init=Path(args.init) if args.init else None)
     report = boost_tune(cfg)
     import json
 

@@ -4,7 +4,11 @@ the untrained truncation, and the written SSMs load and draft."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
+
+import pytest
 
 from specinfer.boost import BoostConfig, boost_tune, select_prompts
 from specinfer.data import mtbench_questions
@@ -36,3 +40,19 @@ def test_boost_tuning_improves_the_pool_and_writes_loadable_ssms(tiny_chat_llm, 
     tree = SSMDrafter(model, vocab_ids=vocab_ids, llm_vocab_size=49152, max_context=256,
                       slots=1).propose([DraftRequest("s", [1, 2, 3], [2, 1])])[0]
     assert len(tree) == 4 and set(tree.tokens) <= set(vocab_ids.tolist())
+
+    # Warm start: a new pool continues from this one's SSMs and vocabulary. With a zero
+    # learning rate its SSMs match the LLM as the earlier ones did (up to int8 rounding);
+    # a cold start would be back at the untrained rate.
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    shutil.copytree(tmp_path / "pool" / "data", warm / "data")
+    shutil.copy(tmp_path / "pool" / "prompts.json", warm / "prompts.json")
+    warm_cfg = dataclasses.replace(cfg, out=warm, init=tmp_path / "pool", lr=0.0, epochs=0.1)
+    warm_report = boost_tune(warm_cfg)
+    assert warm_report["vocab"] == report["vocab"]
+    for earlier, now in zip(report["ssms"], warm_report["ssms"], strict=True):
+        assert abs(now["heldout_match"] - earlier["heldout_match"]) < 0.02, warm_report
+    assert (load_ssm(str(warm / "ssm-1"))[1] == vocab_ids).all()
+    with pytest.raises(ValueError, match="layers"):
+        boost_tune(dataclasses.replace(warm_cfg, out=tmp_path / "bad", layers=2))
