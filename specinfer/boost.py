@@ -16,8 +16,9 @@ Stages, each saved under ``--out`` and skipped when already done:
                draft head is a fraction of the LLM's.
 5. ssm-k     — SSM k starts from the LLM's first ``--layers`` layers, its norm, and a head of
                the embedding rows of the reduced vocabulary (or, with ``--init DIR``, from
-               an earlier pool's SSM k and vocabulary: continued training as more LLM text
-               accumulates); it is trained (soft cross-entropy
+               an earlier pool's SSM k and vocabulary, cut to ``--layers``: continued
+               training as more LLM text accumulates, or a shallower, cheaper pool
+               distilled from a deeper one); it is trained (soft cross-entropy
                to the LLM's distribution) with full weight on the positions where the pool so
                far misses the LLM's top-1 and ``--matched-weight`` on the rest.
 6. report    — per-SSM and pool top-1 match rates on the held-out LLM answers.
@@ -77,7 +78,7 @@ class BoostConfig:
     matched_weight: float = 0.2
     seed: int = 0
     max_minutes: float = 0.0  # on-policy training answers: stop after this long (0 = none)
-    init: Path | None = None  # warm start: an earlier pool's directory (same layers, vocab)
+    init: Path | None = None  # warm start: an earlier pool (its vocabulary; >= layers)
 
 
 # --- 1. prompts ---------------------------------------------------------------------------
@@ -314,20 +315,30 @@ def start_ssm(cfg: BoostConfig, k: int, vocab_ids: torch.Tensor):
     earlier = cfg.init / f"ssm-{k}" if cfg.init else None
     if earlier is None or not (earlier / SSM_MANIFEST).exists():
         return init_ssm(cfg.llm, cfg.layers, vocab_ids)
-    return load_ssm(str(earlier))[0]
+    return _truncate(load_ssm(str(earlier))[0], cfg.layers)
+
+
+def pool_vocab(pool: Path) -> torch.Tensor:
+    """The reduced vocabulary a pool's SSMs share (ssm-1's), without loading a model."""
+    from safetensors import safe_open
+
+    spec = json.loads((pool / "ssm-1" / SSM_MANIFEST).read_text())
+    with safe_open(str(pool / "ssm-1" / spec["weights"]), "pt") as f:
+        return f.get_tensor("vocab_ids").long()
 
 
 def check_init(cfg: BoostConfig) -> None:
-    """Before any work: a warm start needs an earlier pool of the same shape."""
+    """Before any work: a warm start needs an earlier pool with at least ``--layers``
+    layers (a deeper one is cut to its first ``--layers``, keeping its norm and head)."""
     if cfg.init is None:
         return
     manifest = cfg.init / "ssm-1" / SSM_MANIFEST
     if not manifest.exists():
         raise ModelError(f"--init {cfg.init}: no boost-tuned ssm-1 there")
     layers = int(json.loads(manifest.read_text())["layers"])
-    if layers != cfg.layers:
+    if layers < cfg.layers:
         raise ModelError(f"--init {cfg.init}: its SSMs have {layers} layers, "
-                         f"not --layers {cfg.layers}")
+                         f"fewer than --layers {cfg.layers}")
 
 
 def ssm_state(model, vocab_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -484,8 +495,10 @@ def boost_tune(cfg: BoostConfig) -> dict:
     train = load_chunks(cfg, "soft") + answers
     held = [answer_example(s) for s in load_chunks(cfg, "heldout")]
     eos = llm.generation_config.eos_token_id
-    if cfg.init:  # the earlier pool's head columns: its SSMs continue from their weights
-        vocab_ids = load_ssm(str(cfg.init / "ssm-1"))[1]
+    if (cfg.out / "ssm-1" / SSM_MANIFEST).exists():  # resumed: trained SSMs fix it
+        vocab_ids = pool_vocab(cfg.out)
+    elif cfg.init:  # the earlier pool's head columns: its SSMs continue from their weights
+        vocab_ids = pool_vocab(cfg.init)
     else:
         vocab_ids = build_vocab(train, cfg.vocab, eos if isinstance(eos, list) else [eos])
     del llm
@@ -494,6 +507,8 @@ def boost_tune(cfg: BoostConfig) -> dict:
               "train_positions": sum(len(e["pos"]) for e in train),
               "train_onpolicy_tokens": sum(len(e["pos"]) for e in answers),
               "heldout_tokens": sum(len(e["pos"]) for e in held), "ssms": []}
+    if cfg.init:
+        report["init"] = str(cfg.init)
     covered = torch.isin(torch.cat([llm_top1(e) for e in held]), vocab_ids)
     report["heldout_vocab_coverage"] = float(covered.float().mean())
     base = init_ssm(cfg.llm, cfg.layers, vocab_ids)

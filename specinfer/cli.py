@@ -259,8 +259,8 @@ def _add_boost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-minutes", type=float, default=0.0,
                    help="also generate on-policy training answers for this long (0 = none)")
     p.add_argument("--init", default=None,
-                   help="warm start: an earlier pool directory whose SSMs (and vocabulary) "
-                        "continue training on this run's data")
+                   help="warm start: an earlier pool directory whose SSMs (cut to --layers) "
+                        "and vocabulary continue training on this run's data")
 
 
 def boost(args: argparse.Namespace) -> int:

@@ -54,5 +54,23 @@ def test_boost_tuning_improves_the_pool_and_writes_loadable_ssms(tiny_chat_llm, 
     for earlier, now in zip(report["ssms"], warm_report["ssms"], strict=True):
         assert abs(now["heldout_match"] - earlier["heldout_match"]) < 0.02, warm_report
     assert (load_ssm(str(warm / "ssm-1"))[1] == vocab_ids).all()
-    with pytest.raises(ValueError, match="layers"):
+    with pytest.raises(ValueError, match="fewer than --layers 2"):
         boost_tune(dataclasses.replace(warm_cfg, out=tmp_path / "bad", layers=2))
+
+
+def test_warm_start_cuts_a_deeper_pool_to_the_layers_asked(tiny_chat_llm, tmp_path):
+    import torch
+
+    from specinfer.boost import init_ssm, save_ssm, start_ssm
+
+    vocab_ids = torch.arange(0, 600, 3)
+    cfg = BoostConfig(llm=tiny_chat_llm, out=tmp_path / "new", layers=2)
+    save_ssm(init_ssm(tiny_chat_llm, 2, vocab_ids), vocab_ids, cfg, tmp_path / "old" / "ssm-1",
+             {"pool_index": 1})
+    deep, _ = load_ssm(str(tmp_path / "old" / "ssm-1"))
+    shallow = start_ssm(dataclasses.replace(cfg, layers=1, init=tmp_path / "old"), 1, vocab_ids)
+    assert shallow.config.num_hidden_layers == 1 and len(shallow.model.layers) == 1
+    kept, source = shallow.state_dict(), deep.state_dict()
+    assert not any(".layers.1." in name for name in kept)
+    for name, tensor in kept.items():  # layer 0, the norm and the head come from the deep SSM
+        assert torch.equal(tensor, source[name]), name
