@@ -36,18 +36,22 @@ from pathlib import Path
 
 import torch
 
+from services.router.scheduler import HEAD
 from services.speculator.engine import DEFAULT_EXPANSION, SpeculateSpec, SpeculatorEngine
 from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
 from specinfer.data import mtbench_first_turns
 from specinfer.datastore import sharegpt_datastore
+from specinfer.head import bundled_head
+from specinfer.lookup import LookupDrafter
 from specinfer.models import DEFAULT_LLM, default_pool, load_ssm, load_tokenizer
 from specinfer.sampling import SamplingParams
 from specinfer.ssm import SSMDrafter
 
 GREEDY, STOCH = SamplingParams(), SamplingParams(temperature=0.7, seed=0)
 PAPER = [1, 1, 3, 1, 1, 1, 1, 1]
+HEAD_NODES = HEAD.max_nodes  # the stack's "head" mode: the same tree budget
 SHAPES = {"chain-3": [1] * 3, "chain-4": [1] * 4, "chain-6": [1] * 6, "paper": PAPER,
           "w2-d4": [2, 1, 1, 1], "w3-d4": [3, 2, 1, 1], "w2-d6": [2, 1, 1, 1, 1, 1],
           "w3-d5": [3, 1, 1, 1, 1], "w4-d4": [4, 2, 1, 1], "w5-d3": [5, 1, 1]}
@@ -80,12 +84,17 @@ class Bench:
     def __init__(self, args) -> None:
         self.args = args
         self.tok = load_tokenizer(args.llm)
-        self.engine = build_engine(args.llm, EngineConfig(max_context=2048, slots=4))
+        self.datastore = sharegpt_datastore(self.tok)
+        # The verifier's own drafts (draft head, then prompt lookup and datastore), as the
+        # stack's "head" mode makes them; the speculator's sources are given per run.
+        self.head = bundled_head(args.llm)
+        self.engine = build_engine(args.llm, EngineConfig(max_context=2048, slots=4),
+                                   drafter=LookupDrafter(self.datastore),
+                                   head=str(self.head) if self.head else None)
         self.llm = self.engine.executor.runtime.model
         self.refs = args.pool if args.pool is not None else default_pool(args.llm)
         self.drafters = [SSMDrafter.load(r, i, slots=4, llm_vocab_size=self.engine.vocab_size)
                          for i, r in enumerate(self.refs)]
-        self.datastore = sharegpt_datastore(self.tok)
         # transformers' assisted generation gets our best SSM in float32.
         self.assistant = hf_assistant(self.llm, *load_ssm(self.refs[0])) if self.refs else None
         self.counter = iter(range(10**9))
@@ -123,6 +132,14 @@ class Bench:
         return {"tokens": len(res.token_ids), "elapsed": res.elapsed_s, "ttft": res.ttft_s,
                 "accepted": sum(res.accepted_per_step) / max(1, res.steps),
                 "draft_s": res.draft_s, "verify_s": res.verify_s}
+
+    def ours_head(self, ids, params, max_nodes=HEAD_NODES):
+        """The engine drafting its own trees: the draft head's chain and model-free drafts."""
+        res = generate_local(self.engine, [ids], self.args.new_tokens, params=params,
+                             draft_nodes=max_nodes, draft_head=True)[0]
+        return {"tokens": len(res.token_ids), "elapsed": res.elapsed_s, "ttft": res.ttft_s,
+                "accepted": sum(res.accepted_per_step) / max(1, res.steps),
+                "draft_s": 0.0, "verify_s": res.verify_s}
 
     def stack(self, client, ids, params, spec):
         prompt = self.tok.decode(ids)
@@ -204,6 +221,7 @@ def main() -> None:
             "ours-engine-off": lambda ids, p: b.ours(ids, p, spec=False),
             "ours-engine-lookup": lambda ids, p: b.ours(ids, p, [0], max_nodes=2),
             "ours-engine-tree": lambda ids, p: b.ours(ids, p, DEFAULT_EXPANSION),
+            **({"ours-engine-head": b.ours_head} if b.head else {}),
             "ours-stack-off": lambda ids, p: b.stack(client, ids, p, False),
             "ours-stack-on": lambda ids, p: b.stack(client, ids, p, True),
         }

@@ -3,11 +3,13 @@
 Mean accepted tokens per LLM step (bonus token included) for: each SSM alone, the merged
 pool, n-gram alone, the corpus datastore alone, the model-free pair (n-gram + datastore,
 the router's lookup modes), pool + n-gram (+ datastore); greedy and stochastic (T=0.7);
-and tree shapes (a sequence vs trees of width 2-5). Also the SSM draft-step cost relative
-to an LLM step.
+and tree shapes (a sequence vs trees of width 2-5). Then the verifier's draft head on the
+LLM's features (``specinfer.head``), alone and with the model-free drafts (the router's
+"head" mode). Also each drafter's draft-step cost relative to an LLM step.
 Prints a table, writes JSON and a PNG plot.
 
-    python bench/speculator.py [--pool DIR ...] [--prompts 8] [--new-tokens 64] [--quick]
+    python bench/speculator.py [--pool DIR ...] [--head DIR|none] [--prompts 8]
+                               [--new-tokens 64] [--quick]
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
 from services.speculator.engine import SpeculateSpec, SpeculatorEngine
 from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
 from specinfer.data import mtbench_first_turns
 from specinfer.datastore import sharegpt_datastore
+from specinfer.head import FeatureDrafter, bundled_head
+from specinfer.lookup import LookupDrafter
 from specinfer.models import DEFAULT_LLM, default_pool, load_tokenizer
 from specinfer.sampling import SamplingParams
 from specinfer.ssm import DraftRequest, SSMDrafter
@@ -68,12 +74,18 @@ def run(engine, spec_engine, prompts, new_tokens, params, expansion, dynamic=Fal
 
 
 def draft_cost(drafter: SSMDrafter, engine, context: list[int], reps: int = 10) -> dict:
-    """One SSM level (a single-node forward) vs one LLM incremental step, same context."""
-    drafter.propose([DraftRequest("cost", context, [1])])  # warm the cache
+    """One draft level (a single-node forward) vs one LLM incremental step, same context."""
+    features = None
+    if isinstance(drafter, FeatureDrafter):  # the LLM's, as the verifier would hand them
+        with torch.inference_mode():
+            body = engine.executor.runtime.model.model
+            features = body(input_ids=torch.tensor([context[:-1]])).last_hidden_state[0]
+    drafter.propose([DraftRequest("cost", context, [1], features=features)])  # warm the cache
     xs = []
     for _ in range(reps):
         t = time.perf_counter()
-        drafter.propose([DraftRequest("cost", context, [1, 1])])  # re-feeds root + 1 level
+        # re-feeds root + 1 level
+        drafter.propose([DraftRequest("cost", context, [1, 1], features=features)])
         xs.append(time.perf_counter() - t)
     ssm_ms = statistics.median(xs) * 1e3 / 2
     from services.verifier.engine import PrefillSpec
@@ -89,6 +101,22 @@ def draft_cost(drafter: SSMDrafter, engine, context: list[int], reps: int = 10) 
     return {"ssm_level_ms": ssm_ms, "llm_step_ms": llm_ms, "ratio": ssm_ms / llm_ms}
 
 
+def run_head(engine, prompts, new_tokens, params, expansion, max_nodes) -> dict:
+    """The verifier drafting its own trees: the head's ``expansion``, then model-free
+    drafts, within ``max_nodes``."""
+    engine.config.head_expansion = tuple(expansion)
+    accepted, steps, tokens, elapsed = 0, 0, 0, 0.0
+    for p in prompts:
+        res = generate_local(engine, [p], new_tokens, params=params, draft_nodes=max_nodes,
+                             draft_head=True)[0]
+        accepted += sum(res.accepted_per_step)
+        steps += res.steps
+        tokens += len(res.token_ids)
+        elapsed += res.elapsed_s
+    return {"accepted_per_step": accepted / max(1, steps), "tokens_per_s": tokens / elapsed,
+            "steps": steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
@@ -96,6 +124,7 @@ def main() -> None:
     ap.add_argument("--pool", nargs="*", default=None, help="SSM refs (default: bundled pool)")
     ap.add_argument("--prompts", type=int, default=8, help="MT-Bench first turns (<= 80)")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--head", default=None, help="draft head dir (default: bundled), or none")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens, fewer configs")
     ap.add_argument("--out", default="bench/results/speculator")
     args = ap.parse_args()
@@ -106,12 +135,15 @@ def main() -> None:
     turns = mtbench_first_turns()
     step = max(1, len(turns) // args.prompts)
     prompts = [chat_ids(tokenizer, p) for _, p in turns[::step][: args.prompts]]
-    engine = build_engine(args.llm, EngineConfig(max_context=2048, slots=4))
+    store = sharegpt_datastore(tokenizer)
+    head = bundled_head(args.llm) if args.head is None else \
+        (None if args.head == "none" else args.head)
+    engine = build_engine(args.llm, EngineConfig(max_context=2048, slots=4),
+                          drafter=LookupDrafter(store), head=str(head) if head else None)
     vocab = engine.vocab_size
     drafters = [SSMDrafter.load(ref, i, slots=4, llm_vocab_size=vocab)
                 for i, ref in enumerate(refs)]
     greedy, stoch = SamplingParams(), SamplingParams(temperature=0.7, seed=0)
-    store = sharegpt_datastore(tokenizer)
     default = SHAPES["paper-1,1,3,1,1,1,1,1"]
     # (name, SSMs, prompt lookup, datastore, sampling, expansion, node budget)
     configs = []
@@ -136,18 +168,35 @@ def main() -> None:
                 configs.append((f"pool+ngram {name}", drafters, True, None, greedy, shape, 64))
         configs.append(("pool+ngram dynamic-32", drafters, True, None, greedy, default, 64))
 
-    results = {"llm": args.llm, "pool": refs, "prompts": len(prompts),
-               "new_tokens": args.new_tokens, "configs": []}
-    if drafters:
-        results["draft_cost"] = [draft_cost(d, engine, prompts[0]) for d in drafters]
-        for i, c in enumerate(results["draft_cost"]):
-            print(f"ssm-{i + 1}: one draft level {c['ssm_level_ms']:.1f} ms vs LLM step "
-                  f"{c['llm_step_ms']:.1f} ms = {c['ratio']:.3f}")
+    # (name, head expansion, node budget, sampling): the verifier's own trees
+    head_configs = []
+    if engine.head is not None:
+        head_configs = [("head chain-4", [1, 1, 1, 1], 4, greedy),
+                        ("head chain-4 + ngram+datastore, 16 nodes", [1, 1, 1, 1], 16, greedy),
+                        ("head chain-4 + ngram+datastore, 16 nodes T=0.7", [1, 1, 1, 1], 16,
+                         stoch)]
+        if not args.quick:
+            head_configs += [("head w2-d4 + ngram+datastore, 16 nodes", [2, 1, 1, 1], 16,
+                              greedy),
+                             ("head chain-4 + ngram+datastore, 8 nodes", [1, 1, 1, 1], 8,
+                              greedy)]
+
+    results = {"llm": args.llm, "pool": refs, "head": str(head) if head else None,
+               "prompts": len(prompts), "new_tokens": args.new_tokens, "configs": []}
+    costed = [(f"ssm-{i + 1}", d) for i, d in enumerate(drafters)]
+    if engine.head is not None:
+        costed.append(("head", engine.head))
+    results["draft_cost"] = []
+    for name, d in costed:
+        c = draft_cost(d, engine, prompts[0]) | {"drafter": name}
+        results["draft_cost"].append(c)
+        print(f"{name}: one draft level {c['ssm_level_ms']:.1f} ms vs LLM step "
+              f"{c['llm_step_ms']:.1f} ms = {c['ratio']:.3f}")
     plain = run(engine, SpeculatorEngine([], vocab, ngram=False), prompts, args.new_tokens,
                 greedy, [0])
     plain_tps = plain["tokens_per_s"]
-    print(f"\n{'config':<32} {'acc/step':>9} {'tok/s':>7} {'vs plain':>9}")
-    print(f"{'no speculation':<32} {1.0:>9.2f} {plain_tps:>7.1f} {1.0:>9.2f}")
+    print(f"\n{'config':<48} {'acc/step':>9} {'tok/s':>7} {'vs plain':>9}")
+    print(f"{'no speculation':<48} {1.0:>9.2f} {plain_tps:>7.1f} {1.0:>9.2f}")
     for name, pool, ngram, datastore, params, shape, budget in configs:
         spec = SpeculatorEngine(pool, vocab, ngram=ngram, expansion=shape, max_nodes=64,
                                 datastore=datastore)
@@ -157,7 +206,13 @@ def main() -> None:
                 dynamic=name.endswith("dynamic-32"), max_nodes=budget)
         r.update(config=name, expansion=shape)
         results["configs"].append(r)
-        print(f"{name:<32} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
+        print(f"{name:<48} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
+              f"{r['tokens_per_s'] / plain_tps:>9.2f}")
+    for name, shape, budget, params in head_configs:
+        r = run_head(engine, prompts, args.new_tokens, params, shape, budget)
+        r.update(config=name, expansion=shape)
+        results["configs"].append(r)
+        print(f"{name:<48} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
               f"{r['tokens_per_s'] / plain_tps:>9.2f}")
     results["plain_tokens_per_s"] = plain_tps
     out = Path(args.out)

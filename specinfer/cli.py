@@ -12,7 +12,7 @@ from specinfer.models import DEFAULT_LLM, ModelError
 log = logging.getLogger("specinfer")
 # The router's --speculation modes (services.router.scheduler.SPECULATION_CHOICES; named
 # here so the CLI starts without importing torch).
-SPECULATION = ("adaptive", "always", "overlap", "lookup")
+SPECULATION = ("adaptive", "always", "overlap", "lookup", "head")
 DATASTORE_CHOICES = ("auto (the ShareGPT datastore for the LLM's tokenizer, built once and "
                      "cached; none if the LLM has no tokenizer), none, or a saved .npz")
 
@@ -33,6 +33,14 @@ def _add_verifier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--datastore", default="auto",
                    help="corpus drafts for Verify items that ask the verifier to draft: " +
                         DATASTORE_CHOICES)
+    p.add_argument("--draft-head", default="auto",
+                   help="a draft head on the LLM's features (specinfer train-head): auto (the "
+                        "bundled one for the LLM, if any, with --tp 1 --pp 1), none, or a "
+                        "directory")
+    p.add_argument("--head-expansion", default="1,1,1,1",
+                   help="the draft head's static tree, e.g. 1,1,1,1 (a chain of 4)")
+    p.add_argument("--head-dynamic", action="store_true",
+                   help="the draft head grows dynamic trees (greedy sequences)")
 
 
 def serve_verifier(args: argparse.Namespace) -> int:
@@ -40,8 +48,11 @@ def serve_verifier(args: argparse.Namespace) -> int:
     from services.verifier.parallel import build_engine
     from services.verifier.server import serve
 
+    expansion = tuple(_expansion(args.head_expansion, "--head-expansion"))
     config = EngineConfig(max_context=args.max_context, slots=args.slots,
-                          max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk)
+                          max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
+                          head_expansion=expansion, head_dynamic=args.head_dynamic)
+    head = _draft_head(args.draft_head, args.llm, args.tp * args.pp > 1)
 
     def build():
         from specinfer.lookup import LookupDrafter
@@ -49,10 +60,43 @@ def serve_verifier(args: argparse.Namespace) -> int:
         drafter = LookupDrafter(_datastore(args.datastore, args.llm))
         return build_engine(args.llm, config, tp=args.tp, pp=args.pp,
                             micro_batches=args.micro_batches, threads=args.threads,
-                            drafter=drafter)
+                            drafter=drafter, head=head)
 
     asyncio.run(serve(build, args.host, args.port))
     return 0
+
+
+def _expansion(text: str, flag: str) -> list[int]:
+    try:
+        widths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        widths = []
+    if not widths or any(not 0 < w <= 16 for w in widths):
+        raise ModelError(f"{flag} must list tree widths in 1..16, e.g. 1,1,3,1; got {text!r}")
+    return widths
+
+
+def _draft_head(ref: str, llm: str, parallel: bool) -> str | None:
+    """The draft head directory --draft-head names, or None."""
+    from pathlib import Path
+
+    from specinfer.head import HEAD_MANIFEST, bundled_head
+
+    if ref == "none":
+        return None
+    if ref == "auto":
+        path = bundled_head(llm)
+        if path is not None and parallel:
+            log.info("draft head off: it reads the LLM's features in one process (tp = pp = 1)")
+            return None
+        return str(path) if path else None
+    if parallel:
+        raise ModelError("--draft-head needs --tp 1 --pp 1 (it reads the LLM's features in "
+                         "the verifier's own process)")
+    if not (Path(ref).expanduser() / HEAD_MANIFEST).exists():
+        raise ModelError(f"--draft-head {ref!r}: no {HEAD_MANIFEST} there (auto, none or a "
+                         "directory written by `specinfer train-head`)")
+    return ref
 
 
 def _add_speculator_args(p: argparse.ArgumentParser) -> None:
@@ -149,7 +193,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="adaptive: per batch size, the mode that measures fastest (plain "
                         "steps included); always: the SSM tree on every step; overlap: the "
                         "SSM tree, drafting for one micro-batch while the other is verified; "
-                        "lookup: 2 model-free draft tokens drafted by the verifier, every step")
+                        "lookup: 2 model-free draft tokens drafted by the verifier, every step; "
+                        "head: the verifier's draft head and model-free drafts (16 nodes), "
+                        "every step")
 
 
 def serve_router(args: argparse.Namespace) -> int:
@@ -172,6 +218,8 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--expansion", default=None, help="the speculator's static tree")
+    p.add_argument("--draft-head", default="auto", help="the verifiers' draft head: auto, "
+                   "none or a directory (see serve verifier)")
     p.add_argument("--datastore", default="auto", help="the speculators' and verifiers' "
                    "corpus drafts: auto, none or a saved .npz")
     p.add_argument("--speculation", choices=SPECULATION, default="adaptive")
@@ -282,6 +330,31 @@ def boost(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_head_args(p: argparse.ArgumentParser) -> None:
+    from specinfer.head import HeadConfig
+
+    d = HeadConfig(data=None, out=None)
+    p.add_argument("--data", required=True,
+                   help="a boost-tune output directory with the LLM's answers (data/train-*.pt, "
+                        "from --max-minutes) and a trained ssm-1 (whose vocabulary it shares)")
+    p.add_argument("--out", required=True, help="output directory; the head goes to OUT/head")
+    p.add_argument("--llm", default="", help="default: the boost-tune run's LLM")
+    p.add_argument("--epochs", type=float, default=d.epochs)
+    p.add_argument("--lr", type=float, default=d.lr)
+
+
+def train_head(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from specinfer.head import HeadConfig, train_head_pipeline
+
+    report = train_head_pipeline(HeadConfig(data=Path(args.data), out=Path(args.out),
+                                            llm=args.llm, epochs=args.epochs, lr=args.lr))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specinfer", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -294,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
 
     _add_router_args(roles.add_parser("router", help="the public API and the scheduler"))
     _add_boost_args(sub.add_parser("boost-tune", help="train a boost-tuned SSM pool"))
+    _add_head_args(sub.add_parser("train-head", help="train a draft head on the LLM's features "
+                                  "from a boost-tune run's data"))
     _add_up_args(sub.add_parser("up", help="the whole stack on this machine"))
     _add_generate_args(sub.add_parser("generate", help="generate through a running stack"))
 
@@ -310,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             return serve_router(args)
         if args.command == "boost-tune":
             return boost(args)
+        if args.command == "train-head":
+            return train_head(args)
         if args.command == "up":
             return up(args)
         if args.command == "generate":

@@ -209,5 +209,14 @@ class LlamaRuntime:
         return gemm(mlp.down_proj, mlp.act_fn(gemm(mlp.gate_proj, x)) * gemm(mlp.up_proj, x))
 
     @torch.inference_mode()
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last layer's output, normed: the vocabulary head's input (the features a
+        draft head reads)."""
+        return self.body.norm(hidden)
+
+    @torch.inference_mode()
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.gemm(self.model.lm_head, normed).float()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.gemm(self.model.lm_head, self.body.norm(hidden)).float()
+        return self.head(self.final_norm(hidden))

@@ -37,6 +37,9 @@ class DraftRequest:
     generator: torch.Generator | None = None
     dynamic: bool = False  # greedy requests only
     max_nodes: int = 64
+    # A feature drafter's input (``specinfer.head``): the LLM's features of every context
+    # token but the root, ``[len(context) - 1, hidden]``.
+    features: torch.Tensor | None = None
 
 
 class SSMDrafter:
@@ -89,24 +92,35 @@ class SSMDrafter:
     def forget(self, sequence_id: str) -> None:
         self.entries.pop(sequence_id, None)
 
+    def _inputs(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """The first layer's input for ``tokens [B, Q]``: their embeddings. A feature
+        drafter also reads each query's feature ``[B, Q, H]``."""
+        return self.runtime.embed(tokens)
+
     def _forward(self, tokens, positions, slots, offsets, visible,
-                 rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Head logits (columns: ``vocab_ids`` when the SSM has a reduced vocabulary) of
-        every query, or with ``rows`` ([B] query index) of one query per row: the
-        vocabulary head dominates a small model's cost."""
+                 rows: torch.Tensor | None = None, features: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head logits (columns: ``vocab_ids`` when the SSM has a reduced vocabulary) and
+        the normed hidden states (the head's input) of every query, or with ``rows`` ([B]
+        query index) of one query per row: the vocabulary head dominates a small model's
+        cost."""
         rt = self.runtime
-        hidden = rt.layers_forward(rt.embed(tokens), positions, slots, offsets, visible)
+        hidden = rt.layers_forward(self._inputs(tokens, features), positions, slots, offsets,
+                                   visible)
         if rows is not None:
             hidden = hidden[torch.arange(hidden.shape[0]), rows][:, None]
-        return rt.logits(hidden)
+        normed = rt.final_norm(hidden)
+        return rt.head(normed), normed
 
     def _column(self, token: int) -> int:
         return token if self.column_of is None else int(self.column_of[token])
 
-    def _catch_up(self, slots: list[int], feeds: list[list[int]], starts: list[int]):
-        """Feed each row's missing tokens (chunked); the logits after each row's last
-        token, ``[B, V]``."""
+    def _catch_up(self, slots: list[int], feeds: list[list[int]], starts: list[int],
+                  features: list[torch.Tensor] | None = None):
+        """Feed each row's missing tokens (chunked; with ``features``, each token's feature
+        row); the logits and normed hidden state after each row's last token."""
         last: list[torch.Tensor | None] = [None] * len(feeds)
+        last_normed: list[torch.Tensor | None] = [None] * len(feeds)
         pos = [0] * len(feeds)
         while True:
             rows = [b for b in range(len(feeds)) if pos[b] < len(feeds[b])]
@@ -117,14 +131,21 @@ class SSMDrafter:
             batch = TreeBatch.build([TokenTree.chain(c[1:]) for c in chunks],
                                     [c[0] for c in chunks], prefix)
             key_len = max(prefix) + batch.tokens.shape[1]
-            logits = self._forward(batch.tokens, batch.position_ids,
-                                   torch.tensor([slots[b] for b in rows]), batch.prefix_lens,
-                                   batch.visibility(key_len),
-                                   rows=torch.tensor([len(c) - 1 for c in chunks]))
+            feats = None
+            if features is not None:
+                feats = torch.zeros(*batch.tokens.shape, features[0].shape[-1],
+                                    dtype=features[0].dtype)
+                for i, b in enumerate(rows):
+                    feats[i, : len(chunks[i])] = features[b][pos[b] : pos[b] + len(chunks[i])]
+            logits, normed = self._forward(batch.tokens, batch.position_ids,
+                                           torch.tensor([slots[b] for b in rows]),
+                                           batch.prefix_lens, batch.visibility(key_len),
+                                           rows=torch.tensor([len(c) - 1 for c in chunks]),
+                                           features=feats)
             for i, b in enumerate(rows):
-                last[b] = logits[i, 0]
+                last[b], last_normed[b] = logits[i, 0], normed[i, 0]
                 pos[b] += len(chunks[i])
-        return torch.stack(last)
+        return torch.stack(last), torch.stack(last_normed)
 
     # --- drafting ---------------------------------------------------------------------
 
@@ -158,7 +179,10 @@ class SSMDrafter:
             slots.append(slot)
             feeds.append(req.context[common:])
             starts.append(common)
-        root_logits = self._catch_up(slots, feeds, starts)
+        features = None
+        if requests[0].features is not None:  # a feature drafter's requests all carry them
+            features = [r.features[s:] for r, s in zip(requests, starts, strict=True)]
+        root_logits, root_normed = self._catch_up(slots, feeds, starts, features)
         for req, slot in zip(requests, slots, strict=True):
             self.entries[req.sequence_id] = (slot, list(req.context))
 
@@ -172,6 +196,8 @@ class SSMDrafter:
         scores: list[list[float]] = [[] for _ in requests]  # path log-prob per node
         expand: list[list[int]] = [[ROOT] for _ in requests]  # nodes to expand next
         logits_of: list[dict[int, torch.Tensor]] = [{ROOT: root_logits[b]} for b in range(n)]
+        # Each node's normed hidden state: its children's feature (feature drafters).
+        normed_of: list[dict[int, torch.Tensor]] = [{ROOT: root_normed[b]} for b in range(n)]
         for level in range(max(depth_of, default=0)):
             new_nodes: list[list[int]] = [[] for _ in requests]
             for b, req in enumerate(requests):
@@ -206,8 +232,11 @@ class SSMDrafter:
                 if level + 1 >= depth_of[b]:
                     expand[b] = []
             if any(expand):
-                for b, rows in enumerate(self._expand_forward(requests, slots, trees, expand)):
-                    logits_of[b] = dict(zip(expand[b], rows, strict=True)) if expand[b] else {}
+                outs = self._expand_forward(requests, slots, trees, expand, normed_of,
+                                            features is not None)
+                for b, (rows, normed) in enumerate(outs):
+                    logits_of[b] = dict(zip(expand[b], rows, strict=True))
+                    normed_of[b] = dict(zip(expand[b], normed, strict=True))
         return [self._prune(t, s, budget[b]) if dynamic[b] else t
                 for b, (t, s) in enumerate(zip(trees, scores, strict=True))]
 
@@ -223,9 +252,12 @@ class SSMDrafter:
             remap[u] = kept.add(remap[tree.parents[u]], tree.tokens[u], tree.drafts[u])
         return kept
 
-    def _expand_forward(self, requests, slots, trees, expand) -> list[torch.Tensor]:
-        """Logits after each node in ``expand`` (per row): one forward, each node written at
-        (root position + 1 + node index) and seeing the context and its ancestors."""
+    def _expand_forward(self, requests, slots, trees, expand, normed_of, with_features: bool
+                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Logits and normed hidden states after each node in ``expand`` (per row): one
+        forward, each node written at (root position + 1 + node index) and seeing the
+        context and its ancestors; with ``with_features`` a node's feature is its
+        parent's normed hidden state."""
         rows = [b for b in range(len(requests)) if expand[b]]
         q = max(len(expand[b]) for b in rows)
         base = [len(requests[b].context) - 1 for b in rows]  # the root's cache position
@@ -235,11 +267,16 @@ class SSMDrafter:
         positions = torch.zeros(len(rows), q, dtype=torch.long)
         write = torch.zeros(len(rows), q, dtype=torch.long)
         visible = torch.zeros(len(rows), q, key_len, dtype=torch.bool)
+        feats = None
+        if with_features:
+            feats = torch.zeros(len(rows), q, self.runtime.config.hidden_size)
         for i, b in enumerate(rows):
             tree, nodes = trees[b], expand[b]
             anc = tree.ancestors()
             visible[i, :, : base[i] + 1] = True  # context and root
             for j, u in enumerate(nodes):
+                if feats is not None:
+                    feats[i, j] = normed_of[b][tree.parents[u]]
                 tokens[i, j] = tree.tokens[u]
                 positions[i, j] = base[i] + tree.depths[u]
                 write[i, j] = base[i] + 1 + u
@@ -249,9 +286,12 @@ class SSMDrafter:
                 last = len(nodes) - 1
                 tokens[i, j], positions[i, j] = tokens[i, last], positions[i, last]
                 write[i, j], visible[i, j] = write[i, last], visible[i, last]
-        logits = self._forward(tokens, positions, torch.tensor([slots[b] for b in rows]),
-                               write, visible)
-        out: list[torch.Tensor] = [torch.empty(0)] * len(requests)
+                if feats is not None:
+                    feats[i, j] = feats[i, last]
+        logits, normed = self._forward(tokens, positions, torch.tensor([slots[b] for b in rows]),
+                                       write, visible, features=feats)
+        empty = torch.empty(0)
+        out = [(empty, empty)] * len(requests)
         for i, b in enumerate(rows):
-            out[b] = logits[i, : len(expand[b])]
+            out[b] = (logits[i, : len(expand[b])], normed[i, : len(expand[b])])
         return out

@@ -60,7 +60,8 @@ def run_stack(args) -> int:
         procs.append(subprocess.Popen(exe + [
             "serve", "verifier", "--llm", args.llm, "--port", str(port), "--tp", str(args.tp),
             "--pp", str(args.pp), "--slots", str(args.slots), "--max-context",
-            str(args.max_context), "--threads", str(threads), "--datastore", args.datastore]))
+            str(args.max_context), "--threads", str(threads), "--datastore", args.datastore,
+            "--draft-head", args.draft_head]))
     speculators = []
     for _ in range(args.speculators):
         port = _free_port()

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from servers import free_port, wait_serving
+from servers import free_port, service, wait_serving
 
 from specinfer.client import AsyncClient, Client, InvalidRequestError
 from specinfer.stack import stop_processes
@@ -313,6 +313,36 @@ def test_adaptive_speculation_drafts_in_the_verifier_without_a_speculator(stack,
         assert any(a > 1 for out in outs.values() for a in out.accepted_per_step)
     finally:
         stop_processes([router])
+
+
+def test_head_mode_drafts_with_the_verifiers_draft_head(stack, reference, tiny_chat_llm,
+                                                       tmp_path):
+    """A verifier with a draft head (--draft-head) and a router in "head" mode: the
+    verifier drafts each step's tree with its head and verifies it; no speculator. Greedy
+    output unchanged."""
+    import torch
+
+    from specinfer.head import DraftHead, save_head
+    from specinfer.models import load_model
+
+    save_head(DraftHead(load_model(tiny_chat_llm), torch.arange(0, 4096)), tmp_path / "head",
+              tiny_chat_llm, {})
+    with service("verifier", "--llm", tiny_chat_llm, "--draft-head", str(tmp_path / "head"),
+                 "--slots", "4", "--max-context", "512", "--threads", "1") as (addr, _):
+        port = free_port()
+        router = subprocess.Popen(
+            [sys.executable, "-m", "specinfer", "serve", "router", "--llm", tiny_chat_llm,
+             "--verifier", addr, "--speculation", "head", "--port", str(port),
+             "--http-port", "0"], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            wait_serving(f"127.0.0.1:{port}", router, timeout=120)
+            with Client(f"127.0.0.1:{port}") as client:
+                outs = {p: client.generate(p, max_tokens=24) for p in PROMPTS}
+            for prompt, out in outs.items():
+                assert out.token_ids == reference[prompt]
+                assert out.stats.speculative_steps == out.steps  # every step drafted
+        finally:
+            stop_processes([router])
 
 
 def http_post(url: str, data: bytes) -> tuple[int, dict]:

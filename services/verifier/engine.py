@@ -28,6 +28,7 @@ from specinfer.sampling import (
     target_probs,
     token_logprobs,
 )
+from specinfer.ssm import DraftRequest, SSMDrafter
 from specinfer.tree import TokenTree, TreeBatch, merge_trees
 from specinfer.verification import Accepted, verify_batch
 
@@ -40,6 +41,10 @@ class EngineConfig:
     slots: int = 8  # sequences (live or kept for a session) held at once
     max_tree_nodes: int = 64
     prefill_chunk: int = 256
+    # The draft head's tree (``VerifyItem.draft_head``): a static expansion, or dynamic
+    # (EAGLE-2 style, greedy sequences) within the item's node budget.
+    head_expansion: tuple[int, ...] = (1, 1, 1, 1)
+    head_dynamic: bool = False
 
 
 @dataclass
@@ -54,6 +59,8 @@ class SequenceState:
     # The last model-free tree drafted for it: (token count it was drafted for, node
     # budget, tree). A shadow draft is the next step's tree: drafted once, not twice.
     lookup: tuple[int, int, TokenTree] | None = None
+    # With a draft head: the LLM's normed last hidden state of every cached token.
+    features: torch.Tensor | None = None
 
     @property
     def cached(self) -> int:
@@ -68,6 +75,7 @@ class SequenceState:
 class SessionEntry:
     slot: int
     tokens: list[int]  # tokens whose K/V the slot holds, in order
+    features: torch.Tensor | None = None  # theirs, with a draft head
 
 
 @dataclass
@@ -100,11 +108,20 @@ class VerifyOut:
 class VerifierEngine:
     def __init__(self, executor, config: EngineConfig, model_name: str = "",
                  eos_token_ids: list[int] | None = None,
-                 drafter: LookupDrafter | None = None) -> None:
+                 drafter: LookupDrafter | None = None,
+                 head: SSMDrafter | None = None) -> None:
         self.executor = executor
         # Model-free drafts from a sequence's own history, for Verify items that ask for
         # them instead of sending a tree.
         self.drafter = drafter or LookupDrafter()
+        # A draft head on the LLM's features (``specinfer.head.FeatureDrafter``): its
+        # drafts are one more source, after the model-free ones.
+        self.head = head
+        if head is not None:
+            if executor.tp != 1 or executor.pp != 1:
+                raise ValueError("a draft head needs the LLM's features in this process: "
+                                 "tensor and pipeline parallel degree 1")
+            head.source = self.drafter.first_source + self.drafter.sources
         self.config = config
         self.model_name = model_name
         self.eos_token_ids = eos_token_ids or []
@@ -124,18 +141,19 @@ class VerifierEngine:
         live = sum(s.cached + 1 for s in self.sequences.values())
         return live + sum(len(e.tokens) for e in self.sessions.values())
 
-    def _take_slot(self, session_id: str) -> tuple[int, list[int]]:
+    def _take_slot(self, session_id: str) -> tuple[int, list[int], torch.Tensor | None]:
         """A slot for a new sequence: its session's kept slot, a free one, or the least
-        recently used session's. Returns the slot and the tokens already cached in it."""
+        recently used session's. Returns the slot, the tokens already cached in it and
+        their features (with a draft head)."""
         if session_id and session_id in self.sessions:
             entry = self.sessions.pop(session_id)
-            return entry.slot, entry.tokens
+            return entry.slot, entry.tokens, entry.features
         if self.free_slots:
-            return self.free_slots.pop(), []
+            return self.free_slots.pop(), [], None
         if self.sessions:
             evicted, entry = self.sessions.popitem(last=False)
             log.info("evicting session cache to admit a sequence", extra={"session": evicted})
-            return entry.slot, []
+            return entry.slot, [], None
         raise ResourceExhausted(
             f"KV cache full: {len(self.sequences)} live sequences hold all "
             f"{self.config.slots} slots ({self.capacity_tokens} tokens); retry later"
@@ -187,19 +205,27 @@ class VerifierEngine:
         return [self._prefill_one(spec) for spec in specs]
 
     def _prefill_one(self, spec: PrefillSpec) -> PrefillOut:
-        slot, kept = self._take_slot(spec.session_id)
+        slot, kept, kept_features = self._take_slot(spec.session_id)
         prompt = spec.token_ids
         reuse = 0
         while reuse < min(len(kept), len(prompt) - 1) and kept[reuse] == prompt[reuse]:
             reuse += 1
+        features = None
+        if self.head is not None:
+            features = torch.zeros(self.config.max_context, self.head.runtime.config.hidden_size)
+            if reuse:
+                features[:reuse] = kept_features[:reuse]
         logits = None
         for start in range(reuse, len(prompt), self.config.prefill_chunk):
             chunk = prompt[start : start + self.config.prefill_chunk]
-            logits = self._forward_chain(slot, start, chunk)
+            logits = self._forward_chain(slot, start, chunk, features is not None)
+            if features is not None:
+                features[start : start + len(chunk)] = self.executor.features[0]
         gen = spec.params.make_generator() if not spec.params.greedy else None
         token = self._pick(logits[0, -1], spec.params, gen)
         self.sequences[spec.sequence_id] = SequenceState(
-            spec.sequence_id, slot, list(prompt) + [token], spec.params, gen, spec.session_id
+            spec.sequence_id, slot, list(prompt) + [token], spec.params, gen, spec.session_id,
+            features=features,
         )
         return PrefillOut(spec.sequence_id, token, reuse,
                           self._logprobs(logits[0], [-1], [token], spec.params))
@@ -211,13 +237,15 @@ class VerifierEngine:
             return []
         return token_logprobs(logits[rows, : self.vocab_size], tokens, params.logprobs)
 
-    def _forward_chain(self, slot: int, start: int, chunk: list[int]) -> torch.Tensor:
-        """Causal forward of ``chunk`` at cache positions ``start...``; last row's logits."""
+    def _forward_chain(self, slot: int, start: int, chunk: list[int],
+                       features: bool = False) -> torch.Tensor:
+        """Causal forward of ``chunk`` at cache positions ``start...``; last row's logits
+        (and with ``features``, every row's in ``executor.features``)."""
         tree = TokenTree.chain(chunk[1:])
         batch = TreeBatch.build([tree], [chunk[0]], [start])
         return self.executor.forward(ForwardArgs(
             batch.tokens, batch.position_ids, torch.tensor([slot]), torch.tensor([start]),
-            batch.visibility(start + len(chunk)), last_only=True,
+            batch.visibility(start + len(chunk)), last_only=True, features=features,
         ))
 
     @staticmethod
@@ -230,15 +258,18 @@ class VerifierEngine:
 
     def verify(self, items: list[tuple[str, int, TokenTree]],
                draft_nodes: list[int] | None = None,
-               shadow_nodes: list[int] | None = None) -> list[VerifyOut]:
+               shadow_nodes: list[int] | None = None,
+               draft_head: list[bool] | None = None) -> list[VerifyOut]:
         """One forward for all trees; ``items``: (sequence id, root token, tree). An item
-        whose tree is empty and whose ``draft_nodes`` entry is positive gets a model-free
-        tree of at most that many nodes, drafted here from the sequence's own tokens; one
-        whose ``shadow_nodes`` entry is positive also gets, unverified, the model-free tree
-        of at most that many nodes for its next step."""
+        whose tree is empty and whose ``draft_nodes`` entry is positive gets a tree of at
+        most that many nodes drafted here: the model-free drafts from the sequence's own
+        tokens, after the draft head's if its ``draft_head`` entry is set. One whose
+        ``shadow_nodes`` entry is positive also gets, unverified, the model-free tree of at
+        most that many nodes for its next step."""
         self._check_unique([sid for sid, _, _ in items])
         draft_nodes = draft_nodes or [0] * len(items)
         shadow_nodes = shadow_nodes or [0] * len(items)
+        draft_head = draft_head or [False] * len(items)
         seqs, trees = [], []
         for i, ((sid, root, tree), nodes) in enumerate(zip(items, draft_nodes, strict=True)):
             seq = self._live(f"items[{i}].sequence_id", sid)
@@ -248,6 +279,9 @@ class VerifierEngine:
             if nodes and len(tree):
                 raise InvalidArgument(f"items[{i}].draft_nodes",
                                       "set with a tree: send a tree or ask for a draft, not both")
+            if draft_head[i] and self.head is None:
+                raise InvalidArgument(f"items[{i}].draft_head", "this verifier has no draft "
+                                      "head (Info.draft_head)")
             for name, n in (("draft_nodes", nodes), ("shadow_nodes", shadow_nodes[i])):
                 if not 0 <= n <= self.config.max_tree_nodes:
                     raise InvalidArgument(f"items[{i}].{name}", f"{n} is outside "
@@ -264,26 +298,44 @@ class VerifierEngine:
                                       "stochastic verification needs every node's drafts")
             seqs.append(seq)
             trees.append(tree)
-        for i, (seq, nodes) in enumerate(zip(seqs, draft_nodes, strict=True)):
-            room = self.config.max_context - seq.cached - 1
-            if nodes and room > 0:  # all items are valid: now draft
-                trees[i] = self._lookup(seq, min(nodes, room))
+        budgets = [min(n, self.config.max_context - s.cached - 1) if n else 0
+                   for s, n in zip(seqs, draft_nodes, strict=True)]
+        head_trees = self._head_trees(seqs, budgets, draft_head)  # all items are valid: draft
+        for i, (seq, nodes) in enumerate(zip(seqs, budgets, strict=True)):
+            if nodes > 0:
+                lookup = self._lookup(seq, nodes)
+                # The head's sampled drafts come first: a cut may only drop one-hot drafts.
+                trees[i] = lookup if i not in head_trees else \
+                    merge_trees([head_trees[i], lookup], max_nodes=nodes)
         batch = TreeBatch.build(trees, [s.root for s in seqs], [s.cached for s in seqs])
         q = batch.tokens.shape[1]
         key_len = int(batch.prefix_lens.max()) + q
         visible = None if len(seqs) == 1 and q == 1 else batch.visibility(key_len)
         logits = self.executor.forward(ForwardArgs(
             batch.tokens, batch.position_ids, torch.tensor([s.slot for s in seqs]),
-            batch.prefix_lens, visible,
+            batch.prefix_lens, visible, features=self.head is not None,
         ))
         results = verify_batch(logits, trees, [s.params for s in seqs],
                                [s.generator for s in seqs])
-        outs = [self._accept(seq, tree, acc, logits[b])
+        outs = [self._accept(seq, tree, acc, logits[b], b)
                 for b, (seq, tree, acc) in enumerate(zip(seqs, trees, results, strict=True))]
         for seq, out, nodes in zip(seqs, outs, shadow_nodes, strict=True):
             if nodes:
                 out.next_draft = self._lookup(seq, nodes)
         return outs
+
+    def _head_trees(self, seqs: list[SequenceState], budgets: list[int],
+                    draft_head: list[bool]) -> dict[int, TokenTree]:
+        """The draft head's trees (one batched call), by item index."""
+        rows = [i for i, (n, h) in enumerate(zip(budgets, draft_head, strict=True)) if n > 0 and h]
+        if not rows:
+            return {}
+        cfg = self.config
+        requests = [DraftRequest(seqs[i].id, seqs[i].tokens, list(cfg.head_expansion),
+                                 seqs[i].params, seqs[i].generator, cfg.head_dynamic,
+                                 budgets[i], seqs[i].features[: seqs[i].cached])
+                    for i in rows]
+        return dict(zip(rows, self.head.propose(requests), strict=True))
 
     def _lookup(self, seq: SequenceState, nodes: int) -> TokenTree:
         """The model-free tree of at most ``nodes`` nodes below the sequence's last token,
@@ -297,15 +349,17 @@ class VerifierEngine:
         return tree
 
     def _accept(self, seq: SequenceState, tree: TokenTree, acc: Accepted,
-                logits: torch.Tensor) -> VerifyOut:
+                logits: torch.Tensor, row: int) -> VerifyOut:
         base = seq.cached + 1  # the root's K/V sits at seq.cached
         src = [base + n for n in acc.nodes]
         dst = list(range(base, base + len(acc.nodes)))
         self.executor.compact(seq.slot, src, dst)
-        seq.tokens.extend(acc.tokens)
         # Token i was chosen from the distribution after the root (i = 0) or after the
         # accepted node before it: rows 0 and 1 + node of the tree batch.
         rows = [0] + [1 + n for n in acc.nodes]
+        if seq.features is not None:  # the root and the accepted nodes are cached now
+            seq.features[seq.cached : seq.cached + len(rows)] = self.executor.features[row, rows]
+        seq.tokens.extend(acc.tokens)
         return VerifyOut(seq.id, acc.tokens, acc.nodes, seq.cached,
                          self._logprobs(logits, rows, acc.tokens, seq.params), len(tree))
 
@@ -324,11 +378,14 @@ class VerifierEngine:
             if seq is None:
                 continue
             released += 1
+            if self.head is not None:
+                self.head.forget(sid)
             if keep_for_session and seq.session_id:
                 old = self.sessions.pop(seq.session_id, None)
                 if old is not None:
                     self.free_slots.append(old.slot)
-                self.sessions[seq.session_id] = SessionEntry(seq.slot, seq.tokens[:-1])
+                self.sessions[seq.session_id] = SessionEntry(seq.slot, seq.tokens[:-1],
+                                                             seq.features)
             else:
                 self.free_slots.append(seq.slot)
         return released
@@ -346,6 +403,7 @@ class VerifierEngine:
             "max_tree_nodes": self.config.max_tree_nodes,
             "eos_token_ids": self.eos_token_ids,
             "live_sequences": len(self.sequences),
+            "draft_head": self.head is not None,
         }
 
 

@@ -22,6 +22,9 @@ class ForwardArgs:
     offsets: torch.Tensor  # [B] int64: cache position of query 0
     visible: torch.Tensor | None  # [B, Q, K] bool
     last_only: bool = False  # logits of the last query only (prefill)
+    # Keep every query's normed last hidden state as ``executor.features`` (the draft head's
+    # input); local executor only.
+    features: bool = False
 
 
 class LocalExecutor:
@@ -33,14 +36,19 @@ class LocalExecutor:
         self.dtype = runtime.dtype
         self.tp = 1
         self.pp = 1
+        self.features: torch.Tensor | None = None  # [B, Q, H], of the last forward asking
 
     def forward(self, args: ForwardArgs) -> torch.Tensor:
         rt = self.runtime
         hidden = rt.layers_forward(rt.embed(args.tokens), args.positions, args.slots,
                                    args.offsets, args.visible)
-        if args.last_only:
+        if args.last_only and not args.features:
             hidden = hidden[:, -1:]
-        return rt.logits(hidden)
+        normed = rt.final_norm(hidden)
+        self.features = normed if args.features else None
+        if args.last_only:
+            normed = normed[:, -1:]
+        return rt.head(normed)
 
     def compact(self, slot: int, src: list[int], dst: list[int]) -> None:
         self.runtime.cache.compact(slot, src, dst)

@@ -41,8 +41,12 @@ def generate_local(
     trees: TreeSource | None = None,
     params: SamplingParams | None = None,
     stop_token_ids: Sequence[int] | None = None,
+    draft_nodes: int = 0,
+    draft_head: bool = False,
 ) -> list[LocalResult]:
-    """Decode a batch to ``max_new_tokens`` each (or a stop token, which is kept)."""
+    """Decode a batch to ``max_new_tokens`` each (or a stop token, which is kept). With no
+    ``trees``, ``draft_nodes > 0`` has the verifier draft each step's trees itself (model-free
+    drafts, after its draft head's with ``draft_head``)."""
     params = params or SamplingParams()
     stop = set(engine.eos_token_ids if stop_token_ids is None else stop_token_ids)
     start = time.perf_counter()
@@ -57,7 +61,12 @@ def generate_local(
     try:
         while live:
             t0 = time.perf_counter()
-            if trees is None:
+            if trees is None and draft_nodes:
+                t1 = t0
+                out = engine.verify([(sid, history[sid][-1], TokenTree()) for sid in live],
+                                    draft_nodes=[draft_nodes] * len(live),
+                                    draft_head=[draft_head] * len(live))
+            elif trees is None:
                 t1 = t0
                 out = engine.decode([(sid, history[sid][-1]) for sid in live])
             else:

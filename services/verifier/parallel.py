@@ -235,18 +235,29 @@ class ParallelExecutor:
 
 def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
                  micro_batches: int = 2, threads: int = 0,
-                 drafter: LookupDrafter | None = None) -> VerifierEngine:
-    """A verifier engine over ``tp * pp`` ranks; this process becomes rank 0."""
+                 drafter: LookupDrafter | None = None, head: str | None = None
+                 ) -> VerifierEngine:
+    """A verifier engine over ``tp * pp`` ranks; this process becomes rank 0. ``head``: a
+    draft head directory (``specinfer train-head``; tp = pp = 1 only)."""
     if tp < 1 or pp < 1:
         raise ValueError("--tp and --pp must be >= 1")
+    if head and tp * pp > 1:
+        raise ValueError("a draft head needs --tp 1 --pp 1")
     if tp == 1 and pp == 1:
+        from specinfer.head import FeatureDrafter, load_head
         from specinfer.models import load_model
 
         if threads:
             torch.set_num_threads(threads)
         model = load_model(llm)
         runtime = LlamaRuntime(model, config.slots, slot_len(config))
-        return VerifierEngine(LocalExecutor(runtime), config, llm, eos_ids(model), drafter)
+        drafts = None
+        if head:
+            drafts = FeatureDrafter(load_head(head, model), slots=config.slots,
+                                    max_context=config.max_context,
+                                    max_tree_nodes=config.max_tree_nodes)
+        return VerifierEngine(LocalExecutor(runtime), config, llm, eos_ids(model), drafter,
+                              drafts)
     port = _free_port()
     spec = json.dumps({"llm": llm, "config": asdict(config), "tp": tp, "pp": pp,
                        "micro_batches": micro_batches, "master_port": port,

@@ -71,8 +71,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Verify(self, request, context):
         draft_nodes = [item.draft_nodes for item in request.items]
         shadow_nodes = [item.shadow_nodes for item in request.items]
+        draft_head = [item.draft_head for item in request.items]
         out = await self._call(context, "Verify", lambda: self.engine.verify(
-            self._parse_trees(request), draft_nodes, shadow_nodes))
+            self._parse_trees(request), draft_nodes, shadow_nodes, draft_head))
         return verifier_pb2.VerifyResponse(results=[
             verifier_pb2.VerifyResult(sequence_id=r.sequence_id, tokens=r.tokens,
                                       accepted_nodes=r.accepted_nodes,

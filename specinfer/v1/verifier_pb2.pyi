@@ -44,18 +44,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PrefillResult, _Mapping]]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("sequence_id", "root_token", "tree", "draft_nodes", "shadow_nodes")
+    __slots__ = ("sequence_id", "root_token", "tree", "draft_nodes", "shadow_nodes", "draft_head")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
     SHADOW_NODES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_HEAD_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     root_token: int
     tree: _common_pb2.TokenTree
     draft_nodes: int
     shadow_nodes: int
-    def __init__(self, sequence_id: _Optional[str] = ..., root_token: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft_nodes: _Optional[int] = ..., shadow_nodes: _Optional[int] = ...) -> None: ...
+    draft_head: bool
+    def __init__(self, sequence_id: _Optional[str] = ..., root_token: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft_nodes: _Optional[int] = ..., shadow_nodes: _Optional[int] = ..., draft_head: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items",)
@@ -142,7 +144,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "kv_capacity_tokens", "kv_free_tokens", "dtype", "tensor_parallel", "pipeline_parallel", "max_tree_nodes", "eos_token_ids", "live_sequences")
+    __slots__ = ("model", "vocab_size", "max_context", "kv_capacity_tokens", "kv_free_tokens", "dtype", "tensor_parallel", "pipeline_parallel", "max_tree_nodes", "eos_token_ids", "live_sequences", "draft_head")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +156,7 @@ class InfoResponse(_message.Message):
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_HEAD_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -165,4 +168,5 @@ class InfoResponse(_message.Message):
     max_tree_nodes: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     live_sequences: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., live_sequences: _Optional[int] = ...) -> None: ...
+    draft_head: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., live_sequences: _Optional[int] = ..., draft_head: _Optional[bool] = ...) -> None: ...

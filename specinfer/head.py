@@ -1,0 +1,344 @@
+"""A draft head that reads the LLM's own features (EAGLE-style): the verifier's drafter.
+
+An SSM drafts from tokens alone. This head also reads, for each token, the LLM's normed
+last hidden state (the vocabulary head's input) of the token before it: that state already
+holds most of what the LLM will predict, so one decoder layer on top of it agrees with the
+LLM more often than a 4-layer truncation does, at about half the cost per draft level
+(figures in the bundled ``report.json``). Only the verifier holds those features, so the head
+runs there and its trees need no Speculate call.
+
+Input at position j: ``fc([feature(j-1); embed(token j)])``, then one Llama decoder layer,
+then the LLM's final norm and the LLM's vocabulary head restricted to ``vocab_ids``. The
+normed output stands in for the LLM's feature of token j when the tree grows deeper. Only
+``fc`` and the layer are trained and stored; the embedding, norm and head rows are the LLM's.
+
+Training data: the LLM's own greedy answers from a ``specinfer boost-tune`` run
+(``data/train-*.pt``, ShareGPT first turns, MT-Bench removed), its features computed once
+and cached; loss: the LLM's next-token distribution (over ``vocab_ids``) plus a feature
+regression, with uniform noise on the input features as EAGLE does.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import random
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from specinfer.models import ModelError, load_model, quantize_linears
+from specinfer.ssm import DraftRequest, SSMDrafter
+from specinfer.tree import TokenTree
+
+log = logging.getLogger(__name__)
+
+HEAD_MANIFEST = "head.json"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DraftHead(nn.Module):
+    """``fc`` and one decoder layer (initialised from the LLM's last), over the LLM's
+    embedding, final norm and vocabulary rows ``vocab_ids`` (borrowed, frozen)."""
+
+    def __init__(self, llm, vocab_ids: torch.Tensor) -> None:
+        super().__init__()
+        hidden = llm.config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        with torch.no_grad():  # start as feature + embedding
+            self.fc.weight.zero_()
+            self.fc.weight[:, :hidden] = torch.eye(hidden)
+            self.fc.weight[:, hidden:] = torch.eye(hidden)
+        self.layer = copy.deepcopy(llm.model.layers[-1])
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)
+        # Borrowed from the LLM; plain attributes, so they are neither trained nor stored.
+        self.__dict__["llm"] = llm
+        self.lm_head = nn.Linear(hidden, len(vocab_ids), bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(llm.lm_head.weight[vocab_ids])
+        self.lm_head.requires_grad_(False)
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("lm_head.")}
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training form, causal over whole sequences: ``features [B, T, H]`` (of the token
+        before each of ``tokens [B, T]``) to (normed outputs, logits over ``vocab_ids``)."""
+        body = self.llm.model
+        x = self.fc(torch.cat([features, body.embed_tokens(tokens)], -1))
+        b, t, _ = x.shape
+        cos, sin = body.rotary_emb(x, torch.arange(t)[None].expand(b, t))
+        cos, sin = cos[:, None], sin[:, None]
+        attn, head_dim = self.layer.self_attn, self.layer.self_attn.head_dim
+        y = self.layer.input_layernorm(x)
+        q, k, v = (proj(y).view(b, t, -1, head_dim).transpose(1, 2)
+                   for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+        normed = body.norm(x)
+        return normed, self.lm_head(normed)
+
+
+def save_head(head: DraftHead, path: Path, llm_ref: str, report: dict) -> None:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.float16).contiguous() for k, v in head.trained_state().items()}
+    state["vocab_ids"] = head.vocab_ids.to(torch.int32)
+    save_file(state, str(path / "head.safetensors"))
+    (path / HEAD_MANIFEST).write_text(json.dumps({
+        "base": llm_ref, "weights": "head.safetensors", "vocab_size": len(head.vocab_ids),
+        "hidden_size": head.fc.out_features}, indent=2))
+    (path / "report.json").write_text(json.dumps(report, indent=2))
+
+
+def load_head(path: str | Path, llm) -> DraftHead:
+    """A head written by ``save_head``, over the loaded LLM it was trained for."""
+    from safetensors.torch import load_file
+
+    path = Path(path).expanduser()
+    manifest = path / HEAD_MANIFEST
+    if not manifest.exists():
+        raise ModelError(f"draft head {str(path)!r}: no {HEAD_MANIFEST} there")
+    spec = json.loads(manifest.read_text())
+    if spec["hidden_size"] != llm.config.hidden_size:
+        raise ModelError(f"draft head {str(path)!r} was trained for {spec['base']!r} "
+                         f"(hidden size {spec['hidden_size']}), not this LLM "
+                         f"(hidden size {llm.config.hidden_size})")
+    state = load_file(str(path / spec["weights"]))
+    head = DraftHead(llm, state.pop("vocab_ids").long())
+    head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    head.eval().requires_grad_(False)
+    return head
+
+
+def bundled_head(llm_ref: str) -> Path | None:
+    """The head shipped with the package for ``llm_ref``, if there is one."""
+    from specinfer.models import default_pool
+
+    pool = default_pool(llm_ref)
+    if not pool:
+        return None
+    path = Path(pool[0]).parent / "head"
+    return path if (path / HEAD_MANIFEST).exists() else None
+
+
+class FeatureDrafter(SSMDrafter):
+    """Drafts trees with a ``DraftHead`` on the tree-attention runtime. Requests carry the
+    LLM's features of every context token but the root (``DraftRequest.features``): the
+    head's sequence is the context without its first token, each token paired with the
+    feature of the one before it."""
+
+    def __init__(self, head: DraftHead, *, dtype: str = "fp16", **kwargs) -> None:
+        llm = head.llm
+        config = copy.copy(llm.config)
+        config.num_hidden_layers = 1
+        body = types.SimpleNamespace(layers=[head.layer], rotary_emb=llm.model.rotary_emb,
+                                     norm=llm.model.norm, embed_tokens=llm.model.embed_tokens)
+        shell = nn.Module()  # what LlamaRuntime reads of a transformers model
+        shell.config = config
+        shell.model = body
+        shell.layer, shell.fc, shell.lm_head = head.layer, head.fc, head.lm_head
+        quantize_linears(shell, dtype)
+        self.fc = shell.fc
+        super().__init__(shell, vocab_ids=head.vocab_ids, llm_vocab_size=config.vocab_size,
+                         **kwargs)
+
+    def _inputs(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        if features is None:
+            raise ValueError("a feature drafter needs the LLM's features")
+        return self.runtime.gemm(self.fc, torch.cat([features, self.runtime.embed(tokens)],
+                                                    -1))
+
+    def propose(self, requests: list[DraftRequest]) -> list[TokenTree]:
+        """Trees for requests in the caller's form: the whole context (at least 2 tokens)
+        and the features of all its tokens but the root."""
+        for i, req in enumerate(requests):
+            if req.features is None or len(req.context) < 2 \
+                    or req.features.shape[0] != len(req.context) - 1:
+                raise ValueError(f"items[{i}].features: need the LLM's features of the "
+                                 f"{len(req.context) - 1} context tokens before the root")
+        shifted = [DraftRequest(r.sequence_id, r.context[1:], r.expansion, r.params,
+                                r.generator, r.dynamic, r.max_nodes, r.features)
+                   for r in requests]
+        return super().propose(shifted)
+
+
+# --- training -----------------------------------------------------------------------------
+
+
+@dataclass
+class HeadConfig:
+    data: Path  # a boost-tune output directory: its data/train-*.pt and heldout-*.pt
+    out: Path
+    llm: str = ""  # default: the boost-tune run's
+    epochs: float = 4.0
+    lr: float = 2e-3
+    batch: int = 8
+    feature_weight: float = 1.0  # the regression loss's weight (the distribution's is 1)
+    noise: float = 0.1  # uniform noise on input features, [-noise/2, noise/2]
+    seed: int = 0
+
+
+@torch.inference_mode()
+def llm_features(llm, sequences: list[list[int]], batch: int = 8) -> list[torch.Tensor]:
+    """The LLM's normed last hidden state of every token, per sequence (bfloat16)."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    for start in range(0, len(order), batch):
+        idx = order[start : start + batch]
+        width = max(len(sequences[i]) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        for j, i in enumerate(idx):
+            ids[j, : len(sequences[i])] = torch.tensor(sequences[i])
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # 2x faster; noise is trained in
+            hidden = llm.model(input_ids=ids).last_hidden_state
+        for j, i in enumerate(idx):
+            out[i] = hidden[j, : len(sequences[i])].to(torch.bfloat16).clone()
+    return out
+
+
+def _examples(llm, chunk_paths: list[Path], cache: Path, desc: str) -> list[dict]:
+    """Answers as examples (``ids``, answer ``start``, ``features``), features cached per
+    chunk so an interrupted run resumes."""
+    cache.mkdir(parents=True, exist_ok=True)
+    out = []
+    for path in tqdm(chunk_paths, desc=desc, unit="chunk"):
+        cached = cache / path.name
+        if not cached.exists():
+            samples = torch.load(path)
+            seqs = [s["prompt"] + s["answer"] for s in samples]
+            feats = llm_features(llm, seqs)
+            items = [{"ids": torch.tensor(q), "start": len(s["prompt"]), "features": f}
+                     for q, s, f in zip(seqs, samples, feats, strict=True)]
+            tmp = cached.with_suffix(".tmp")
+            torch.save(items, tmp)
+            tmp.replace(cached)
+        out.extend(torch.load(cached))
+    return out
+
+
+def _batch(examples: list[dict]):
+    """Inputs (feature of token j-1, token j), targets (the LLM's feature of token j) and
+    the answer mask (outputs that predict an answer token) for a padded batch."""
+    width = max(len(e["ids"]) for e in examples) - 1
+    hidden = examples[0]["features"].shape[-1]
+    feats = torch.zeros(len(examples), width, hidden)
+    target = torch.zeros(len(examples), width, hidden)
+    tokens = torch.zeros(len(examples), width, dtype=torch.long)
+    answer = torch.zeros(len(examples), width, dtype=torch.bool)
+    for j, e in enumerate(examples):
+        n = len(e["ids"]) - 1
+        feats[j, :n] = e["features"][:n].float()
+        target[j, :n] = e["features"][1:].float()
+        tokens[j, :n] = e["ids"][1:]
+        # Output j predicts token j + 2; the answer starts at token ``start``.
+        answer[j, max(0, e["start"] - 2) : n] = True
+    return feats, tokens, target, answer
+
+
+@torch.no_grad()
+def head_match(head: DraftHead, examples: list[dict]) -> dict[str, float]:
+    """How often the head's top-1 is the LLM's greedy next token at answer positions:
+    ``level1`` from the LLM's features, ``level2`` from the head's own feature for the
+    token before (as the second level of a draft tree reads it)."""
+    weight = head.llm.lm_head.weight
+    hits1 = hits2 = total = 0
+    for start in range(0, len(examples), 8):
+        feats, tokens, target, answer = _batch(examples[start : start + 8])
+        normed, logits = head(feats, tokens)
+        want = (target @ weight.T).argmax(-1)
+        hits1 += int(((head.vocab_ids[logits.argmax(-1)] == want) & answer).sum())
+        # Level 2: output j reads its predicted feature (output j-1), ancestors true.
+        shifted = torch.cat([feats[:, :1], normed[:, :-1]], 1)
+        _, logits2 = head(shifted, tokens)
+        hits2 += int(((head.vocab_ids[logits2.argmax(-1)] == want) & answer).sum())
+        total += int(answer.sum())
+    return {"level1": hits1 / max(1, total), "level2_own_feature": hits2 / max(1, total),
+            "positions": total}
+
+
+def train_head(head: DraftHead, examples: list[dict], cfg: HeadConfig) -> None:
+    params = [p for n, p in head.named_parameters() if not n.startswith("lm_head.")]
+    for p in params:
+        p.requires_grad_(True)
+    head.train()
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["ids"]))
+    batches = [order[i : i + cfg.batch] for i in range(0, len(order), cfg.batch)]
+    steps = max(1, math.ceil(len(batches) * cfg.epochs))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps,
+                                                pct_start=0.05)
+    rng = random.Random(cfg.seed)
+    head_rows = head.lm_head.weight
+    bar = tqdm(total=steps, desc="draft head", unit="step")
+    done = 0
+    while done < steps:
+        rng.shuffle(batches)
+        for chosen in batches[: steps - done]:
+            feats, tokens, target, answer = _batch([examples[i] for i in chosen])
+            feats = feats + cfg.noise * (torch.rand_like(feats) - 0.5)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                normed, logits = head(feats, tokens)
+            with torch.no_grad():
+                want = (target[answer] @ head_rows.T).softmax(-1)
+            ce = -(want * F.log_softmax(logits[answer].float(), -1)).sum(-1).mean()
+            reg = F.smooth_l1_loss(normed[answer].float(), target[answer])
+            loss = ce + cfg.feature_weight * reg
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            done += 1
+            bar.update(1)
+            bar.set_postfix(ce=f"{ce.item():.3f}", feat=f"{reg.item():.3f}")
+    bar.close()
+    head.eval().requires_grad_(False)
+
+
+def train_head_pipeline(cfg: HeadConfig) -> dict:
+    """Features of a boost-tune run's LLM answers, a trained head, and its report."""
+    from specinfer.boost import pool_vocab
+
+    data = cfg.data / "data"
+    train_chunks = sorted(data.glob("train-*.pt"))
+    held_chunks = sorted(data.glob("heldout-*.pt"))
+    if not train_chunks or not held_chunks:
+        raise ModelError(f"--data {str(cfg.data)!r}: no LLM answers there (data/train-*.pt "
+                         "and data/heldout-*.pt, written by `specinfer boost-tune "
+                         "--max-minutes M`)")
+    if not (cfg.data / "ssm-1").exists():
+        raise ModelError(f"--data {str(cfg.data)!r}: no trained ssm-1 whose vocabulary the "
+                         "head shares")
+    llm_ref = cfg.llm or json.loads((cfg.data / "report.json").read_text())["llm"]
+    torch.manual_seed(cfg.seed)
+    llm = load_model(llm_ref)
+    vocab_ids = pool_vocab(cfg.data)
+    train = _examples(llm, train_chunks, cfg.out / "features", "LLM features (train)")
+    held = _examples(llm, held_chunks, cfg.out / "features", "LLM features (held-out)")
+    head = DraftHead(llm, vocab_ids)
+    untrained = head_match(head, held)
+    train_head(head, train, cfg)
+    report = {"llm": llm_ref, "vocab": len(vocab_ids), "epochs": cfg.epochs, "lr": cfg.lr,
+              "train_sequences": len(train),
+              "train_answer_tokens": sum(len(e["ids"]) - e["start"] for e in train),
+              "heldout_match": head_match(head, held), "untrained_match": untrained,
+              "data": f"the LLM's greedy answers in {cfg.data}/data (boost-tune)"}
+    save_head(head, cfg.out / "head", llm_ref, report)
+    log.info("draft head trained", extra={"heldout_match": report["heldout_match"]})
+    return report

@@ -1,0 +1,124 @@
+"""The draft head on the LLM's features: its tree-attention drafting agrees with its training
+form, the verifier's feature bookkeeping feeds it the right features, and verification
+with its drafts stays exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.verifier.engine import EngineConfig, PrefillSpec
+from services.verifier.local import generate_local
+from services.verifier.parallel import build_engine
+from specinfer.errors import InvalidArgument
+from specinfer.head import DraftHead, FeatureDrafter, load_head, save_head
+from specinfer.models import load_model
+from specinfer.sampling import SamplingParams
+from specinfer.ssm import DraftRequest
+from specinfer.tree import TokenTree
+
+
+def _random_head(llm, vocab_ids: torch.Tensor, seed: int = 0) -> DraftHead:
+    """An untrained head with its fc scrambled, so every input matters."""
+    head = DraftHead(llm, vocab_ids)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.fc.weight.add_(torch.randn(head.fc.weight.shape, generator=gen) * 0.3)
+    return head.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return load_model(tiny_llama)
+
+
+@torch.inference_mode()
+def _features(llm, tokens: list[int]) -> torch.Tensor:
+    return llm.model(input_ids=torch.tensor([tokens])).last_hidden_state[0]
+
+
+@torch.inference_mode()
+def test_tree_drafting_matches_the_training_form(llm):
+    """A chain drafted on the KV-cached runtime picks, level by level, the argmax of the
+    training-form forward over (feature of the token before, token): level 1 from the
+    LLM's features, deeper levels from the head's own normed output."""
+    vocab_ids = torch.arange(3, 128, 2)
+    head = _random_head(llm, vocab_ids)
+    context = [5, 17, 42, 9, 77, 31, 64, 8]
+    feats = _features(llm, context)
+    drafter = FeatureDrafter(head, dtype="fp32", slots=2, max_context=64)
+    tree = drafter.propose([DraftRequest("s", context, [1, 1, 1],
+                                         features=feats[:-1])])[0]
+    assert len(tree) == 3 and tree.parents == [-1, 0, 1]
+    inputs, tokens = feats[:-1], list(context[1:])
+    for drafted in tree.tokens:
+        normed, logits = head(inputs[None], torch.tensor([tokens]))
+        assert drafted == int(vocab_ids[logits[0, -1].argmax()])
+        inputs = torch.cat([inputs, normed[0, -1:]])
+        tokens.append(drafted)
+    # A cache hit (the same sequence, two more tokens) drafts what a cold drafter does.
+    longer = context + [tree.tokens[0], 11]
+    more = _features(llm, longer)
+    warm = drafter.propose([DraftRequest("s", longer, [2, 1], features=more[:-1])])[0]
+    cold = FeatureDrafter(head, dtype="fp32", slots=1, max_context=64).propose(
+        [DraftRequest("s", longer, [2, 1], features=more[:-1])])[0]
+    assert warm.tokens == cold.tokens and warm.parents == cold.parents
+    with pytest.raises(ValueError, match="features"):
+        drafter.propose([DraftRequest("s", context, [1], features=feats)])
+
+
+@pytest.fixture(scope="module")
+def head_engine(tiny_llama, llm, tmp_path_factory):
+    path = tmp_path_factory.mktemp("head") / "head"
+    save_head(_random_head(llm, torch.arange(0, 128)), path, tiny_llama, {})
+    return build_engine(tiny_llama, EngineConfig(max_context=256, slots=4, max_tree_nodes=16,
+                                                 head_expansion=(2, 1, 1)), head=str(path))
+
+
+def test_the_verifier_feeds_the_head_the_llms_features(head_engine, llm):
+    """After prefill and after each verification, the features the verifier keeps for a
+    sequence are the LLM's own (recomputed here from scratch)."""
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    head_engine.prefill([PrefillSpec("f", prompt)])
+    try:
+        seq = head_engine.sequences["f"]
+        for _ in range(4):
+            head_engine.verify([("f", seq.root, TokenTree())], draft_nodes=[6],
+                               draft_head=[True])
+        want = _features(llm, seq.tokens[:-1])
+        torch.testing.assert_close(seq.features[: seq.cached], want, atol=1e-4, rtol=1e-4)
+    finally:
+        head_engine.release(["f"])
+
+
+def test_verification_with_head_drafts_is_exact(head_engine):
+    """Greedy output with the head's trees equals plain decoding, token for token, and the
+    head's drafts are accepted at least sometimes."""
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 60, 61]]
+    for prompt in prompts:
+        plain = generate_local(head_engine, [prompt], 40)[0]
+        spec = generate_local(head_engine, [prompt], 40, draft_nodes=8, draft_head=True)[0]
+        assert spec.token_ids == plain.token_ids
+        assert spec.steps < len(spec.token_ids)  # some step accepted a draft
+    sampled = generate_local(head_engine, prompts, 30, draft_nodes=8, draft_head=True,
+                             params=SamplingParams(temperature=0.8, seed=3))
+    assert all(len(r.token_ids) == 30 for r in sampled)
+
+
+def test_asking_a_verifier_without_a_head_for_its_drafts_fails(tiny_llama):
+    engine = build_engine(tiny_llama, EngineConfig(max_context=64, slots=1))
+    engine.prefill([PrefillSpec("s", [1, 2, 3])])
+    root = engine.sequences["s"].root
+    with pytest.raises(InvalidArgument, match=r"items\[0\]\.draft_head"):
+        engine.verify([("s", root, TokenTree())], draft_nodes=[4], draft_head=[True])
+    assert engine.info()["draft_head"] is False
+
+
+def test_a_head_for_another_llm_is_refused(tiny_llama, tmp_path):
+    save_head(DraftHead(load_model(tiny_llama), torch.arange(10)), tmp_path / "h", tiny_llama, {})
+    other = load_model(tiny_llama)
+    other.config.hidden_size = 96  # as a wider LLM would have
+    with pytest.raises(ValueError, match="hidden size"):
+        load_head(tmp_path / "h", other)
+    with pytest.raises(ValueError, match="head.json"):
+        load_head(tmp_path, other)
