@@ -35,17 +35,13 @@ from torch import nn
 from tqdm import tqdm
 
 from specinfer.models import ModelError, load_model, quantize_linears
+from specinfer.runtime import rotate_half
 from specinfer.ssm import DraftRequest, SSMDrafter
 from specinfer.tree import TokenTree
 
 log = logging.getLogger(__name__)
 
 HEAD_MANIFEST = "head.json"
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class DraftHead(nn.Module):
@@ -85,7 +81,7 @@ class DraftHead(nn.Module):
         y = self.layer.input_layernorm(x)
         q, k, v = (proj(y).view(b, t, -1, head_dim).transpose(1, 2)
                    for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         x = x + self.layer.mlp(self.layer.post_attention_layernorm(x))
@@ -141,7 +137,8 @@ class FeatureDrafter(SSMDrafter):
     """Drafts trees with a ``DraftHead`` on the tree-attention runtime. Requests carry the
     LLM's features of every context token but the root (``DraftRequest.features``): the
     head's sequence is the context without its first token, each token paired with the
-    feature of the one before it."""
+    feature of the one before it. ``dtype`` as for SSMs; it converts the head's own linear
+    modules in place, so the ``DraftHead`` is this drafter's afterwards."""
 
     def __init__(self, head: DraftHead, *, dtype: str = "fp16", **kwargs) -> None:
         llm = head.llm

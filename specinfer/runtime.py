@@ -105,7 +105,7 @@ class Gemm:
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -186,8 +186,8 @@ class LlamaRuntime:
             qs = gemm(attn.q_proj, x).view(b, q, -1, self.head_dim)
             ks = gemm(attn.k_proj, x).view(b, q, -1, self.head_dim)
             vs = gemm(attn.v_proj, x).view(b, q, -1, self.head_dim)
-            qs = qs * cos + _rotate_half(qs) * sin
-            ks = ks * cos + _rotate_half(ks) * sin
+            qs = qs * cos + rotate_half(qs) * sin
+            ks = ks * cos + rotate_half(ks) * sin
             ck, cv = self.cache.k[i], self.cache.v[i]
             ck[write_slot, write_pos] = ks
             cv[write_slot, write_pos] = vs

@@ -9,10 +9,12 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from specinfer.boost import BoostConfig, boost_tune, select_prompts
 from specinfer.data import mtbench_questions
-from specinfer.models import load_ssm
+from specinfer.head import HeadConfig, load_head, train_head_pipeline
+from specinfer.models import load_model, load_ssm
 from specinfer.ssm import DraftRequest, SSMDrafter
 
 
@@ -40,6 +42,16 @@ def test_boost_tuning_improves_the_pool_and_writes_loadable_ssms(tiny_chat_llm, 
     tree = SSMDrafter(model, vocab_ids=vocab_ids, llm_vocab_size=49152, max_context=256,
                       slots=1).propose([DraftRequest("s", [1, 2, 3], [2, 1])])[0]
     assert len(tree) == 4 and set(tree.tokens) <= set(vocab_ids.tolist())
+
+    # A draft head on the LLM's features, from this run's answers: it learns to match the
+    # LLM (this random LLM's flat distributions are hard to match: 0.08 against 0.0 here),
+    # shares the pool's vocabulary, and is written loadable.
+    head_report = train_head_pipeline(HeadConfig(data=tmp_path / "pool", out=tmp_path / "head",
+                                                 epochs=20, lr=5e-3))
+    assert head_report["heldout_match"]["level1"] > \
+        head_report["untrained_match"]["level1"] + 0.04, head_report
+    head = load_head(tmp_path / "head" / "head", load_model(tiny_chat_llm))
+    assert torch.equal(head.vocab_ids, vocab_ids.long())
 
     # Warm start: a new pool continues from this one's SSMs and vocabulary. With a zero
     # learning rate its SSMs match the LLM as the earlier ones did (up to int8 rounding);

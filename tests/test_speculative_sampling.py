@@ -16,7 +16,7 @@ from services.speculator.engine import SpeculateSpec, SpeculatorEngine
 from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
-from specinfer.models import load_ssm
+from specinfer.models import load_model, load_ssm
 from specinfer.sampling import SamplingParams
 from specinfer.ssm import SSMDrafter
 
@@ -63,3 +63,27 @@ def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params):
         p = homogeneity_pvalue([s[pos] for s in on], [s[pos] for s in off])
         assert p > 1e-3, f"token {pos + 1}: p = {p:.2e}"
     assert accepted < 2 * N  # speculation accepted drafts, so both tokens often came at once
+
+
+def test_the_verifiers_head_drafts_keep_the_distribution(tiny_llama, tmp_path):
+    """The same test for trees the verifier drafts itself: its draft head's sampled chain
+    (source after the model-free ones) merged with prompt-lookup drafts, at T=0.8."""
+    from specinfer.head import DraftHead, save_head
+
+    save_head(DraftHead(load_model(tiny_llama), torch.arange(0, 128)), tmp_path / "head",
+              tiny_llama, {})
+    engine = build_engine(tiny_llama, EngineConfig(max_context=64, slots=4,
+                                                   head_expansion=(2, 1, 1)),
+                          head=str(tmp_path / "head"))
+    prompt = [5, 17, 33, 2, 90, 5, 17]
+    on, off, steps = [], [], 0
+    for i in range(N):
+        params = SamplingParams(0.8, seed=i)
+        res = generate_local(engine, [prompt], 3, params=params, draft_nodes=8, draft_head=True)
+        on.append(res[0].token_ids)
+        steps += res[0].steps
+        off.append(generate_local(engine, [prompt], 3, params=params)[0].token_ids)
+    for pos in (1, 2):
+        p = homogeneity_pvalue([s[pos] for s in on], [s[pos] for s in off])
+        assert p > 1e-3, f"token {pos + 1}: p = {p:.2e}"
+    assert steps < 2 * N  # drafts were accepted
