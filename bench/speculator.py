@@ -55,22 +55,25 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def summarize(runs) -> dict:
+    """Accepted tokens per step (bonus included) and tokens per second over ``runs``."""
+    steps = sum(r.steps for r in runs)
+    return {"accepted_per_step": sum(sum(r.accepted_per_step) for r in runs) / max(1, steps),
+            "tokens_per_s": sum(len(r.token_ids) for r in runs) / sum(r.elapsed_s for r in runs),
+            "steps": steps}
+
+
 def run(engine, spec_engine, prompts, new_tokens, params, expansion, dynamic=False,
         max_nodes=0):
-    accepted, steps, tokens, elapsed = 0, 0, 0, 0.0
+    runs = []
     for k, p in enumerate(prompts):
         def trees(histories, k=k):  # a stable id per sequence: the SSM KV cache hits
             return spec_engine.speculate([SpeculateSpec(f"p{k}-{i}", h, params, expansion,
                                                         max_nodes, dynamic)
                                           for i, h in enumerate(histories)])
 
-        res = generate_local(engine, [p], new_tokens, trees=trees, params=params)[0]
-        accepted += sum(res.accepted_per_step)
-        steps += res.steps
-        tokens += len(res.token_ids)
-        elapsed += res.elapsed_s
-    return {"accepted_per_step": accepted / max(1, steps), "tokens_per_s": tokens / elapsed,
-            "steps": steps}
+        runs.append(generate_local(engine, [p], new_tokens, trees=trees, params=params)[0])
+    return summarize(runs)
 
 
 def draft_cost(drafter: SSMDrafter, engine, context: list[int], reps: int = 10) -> dict:
@@ -105,16 +108,9 @@ def run_head(engine, prompts, new_tokens, params, expansion, max_nodes) -> dict:
     """The verifier drafting its own trees: the head's ``expansion``, then model-free
     drafts, within ``max_nodes``."""
     engine.config.head_expansion = tuple(expansion)
-    accepted, steps, tokens, elapsed = 0, 0, 0, 0.0
-    for p in prompts:
-        res = generate_local(engine, [p], new_tokens, params=params, draft_nodes=max_nodes,
-                             draft_head=True)[0]
-        accepted += sum(res.accepted_per_step)
-        steps += res.steps
-        tokens += len(res.token_ids)
-        elapsed += res.elapsed_s
-    return {"accepted_per_step": accepted / max(1, steps), "tokens_per_s": tokens / elapsed,
-            "steps": steps}
+    return summarize([generate_local(engine, [p], new_tokens, params=params,
+                                     draft_nodes=max_nodes, draft_head=True)[0]
+                      for p in prompts])
 
 
 def main() -> None:

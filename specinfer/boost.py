@@ -397,6 +397,15 @@ def soft_targets(example: dict, index_of: torch.Tensor) -> torch.Tensor:
     return out.scatter_add_(1, idx.clamp_min(0), p)
 
 
+def optimizer_step(opt, sched, params: list[torch.Tensor], loss: torch.Tensor) -> None:
+    """One clipped AdamW step on ``loss`` and one scheduler step."""
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+
+
 def train_ssm(model, examples: list[dict], weights: list[torch.Tensor] | None,
               vocab_ids: torch.Tensor, cfg: BoostConfig, desc: str) -> None:
     index_of = torch.full((model.model.embed_tokens.num_embeddings,), -1, dtype=torch.long)
@@ -425,11 +434,7 @@ def train_ssm(model, examples: list[dict], weights: list[torch.Tensor] | None,
                 [weights[j] for j in batch])
             loss_pos = -(target * F.log_softmax(logits.float(), -1)).sum(-1)
             loss = (loss_pos * w).sum() / w.sum().clamp_min(1.0)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
+            optimizer_step(opt, sched, params, loss)
             done += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}")

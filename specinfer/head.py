@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from specinfer.boost import optimizer_step, pool_vocab
 from specinfer.models import ModelError, load_model, quantize_linears
 from specinfer.runtime import rotate_half
 from specinfer.ssm import DraftRequest, SSMDrafter
@@ -295,12 +296,7 @@ def train_head(head: DraftHead, examples: list[dict], cfg: HeadConfig) -> None:
                 want = (target[answer] @ head_rows.T).softmax(-1)
             ce = -(want * F.log_softmax(logits[answer].float(), -1)).sum(-1).mean()
             reg = F.smooth_l1_loss(normed[answer].float(), target[answer])
-            loss = ce + cfg.feature_weight * reg
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
+            optimizer_step(opt, sched, params, ce + cfg.feature_weight * reg)
             done += 1
             bar.update(1)
             bar.set_postfix(ce=f"{ce.item():.3f}", feat=f"{reg.item():.3f}")
@@ -310,8 +306,6 @@ def train_head(head: DraftHead, examples: list[dict], cfg: HeadConfig) -> None:
 
 def train_head_pipeline(cfg: HeadConfig) -> dict:
     """Features of a boost-tune run's LLM answers, a trained head, and its report."""
-    from specinfer.boost import pool_vocab
-
     data = cfg.data / "data"
     train_chunks = sorted(data.glob("train-*.pt"))
     held_chunks = sorted(data.glob("heldout-*.pt"))

@@ -327,22 +327,15 @@ def test_head_mode_drafts_with_the_verifiers_draft_head(stack, reference, tiny_c
 
     save_head(DraftHead(load_model(tiny_chat_llm), torch.arange(0, 4096)), tmp_path / "head",
               tiny_chat_llm, {})
-    with service("verifier", "--llm", tiny_chat_llm, "--draft-head", str(tmp_path / "head"),
-                 "--slots", "4", "--max-context", "512", "--threads", "1") as (addr, _):
-        port = free_port()
-        router = subprocess.Popen(
-            [sys.executable, "-m", "specinfer", "serve", "router", "--llm", tiny_chat_llm,
-             "--verifier", addr, "--speculation", "head", "--port", str(port),
-             "--http-port", "0"], env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            wait_serving(f"127.0.0.1:{port}", router, timeout=120)
-            with Client(f"127.0.0.1:{port}") as client:
-                outs = {p: client.generate(p, max_tokens=24) for p in PROMPTS}
-            for prompt, out in outs.items():
-                assert out.token_ids == reference[prompt]
-                assert out.stats.speculative_steps == out.steps  # every step drafted
-        finally:
-            stop_processes([router])
+    verifier = ("verifier", "--llm", tiny_chat_llm, "--draft-head", str(tmp_path / "head"),
+                "--slots", "4", "--max-context", "512", "--threads", "1")
+    with service(*verifier) as (addr, _), \
+            service("router", "--llm", tiny_chat_llm, "--verifier", addr, "--speculation",
+                    "head", "--http-port", "0") as (router, _), Client(router) as client:
+        outs = {p: client.generate(p, max_tokens=24) for p in PROMPTS}
+    for prompt, out in outs.items():
+        assert out.token_ids == reference[prompt]
+        assert out.stats.speculative_steps == out.steps  # every step drafted
 
 
 def http_post(url: str, data: bytes) -> tuple[int, dict]:
