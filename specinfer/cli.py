@@ -66,13 +66,16 @@ def serve_verifier(args: argparse.Namespace) -> int:
     return 0
 
 
-def _expansion(text: str, flag: str) -> list[int]:
+def _expansion(text: str, flag: str, min_width: int = 1) -> list[int]:
+    """Tree widths per level from ``1,1,3,1``; the speculator's may be 0 (model-free drafts
+    only)."""
     try:
         widths = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         widths = []
-    if not widths or any(not 0 < w <= 16 for w in widths):
-        raise ModelError(f"{flag} must list tree widths in 1..16, e.g. 1,1,3,1; got {text!r}")
+    if not widths or any(not min_width <= w <= 16 for w in widths):
+        raise ModelError(f"{flag} must list tree widths in {min_width}..16, e.g. 1,1,3,1; "
+                         f"got {text!r}")
     return widths
 
 
@@ -139,7 +142,7 @@ def build_speculator(args: argparse.Namespace):
                             slots=args.slots, max_context=args.max_context,
                             max_tree_nodes=args.max_nodes)
             for source, ref in enumerate(refs)]
-    expansion = [int(x) for x in (args.expansion or "").split(",") if x.strip()] or None
+    expansion = _expansion(args.expansion, "--expansion", 0) if args.expansion else None
     datastore = _datastore(args.datastore, args.llm)
     log.info("speculator ready", extra={"ssms": len(pool), "ngram": not args.no_ngram,
                                         "datastore": 0 if datastore is None else len(datastore),
@@ -341,6 +344,9 @@ def _add_head_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llm", default="", help="default: the boost-tune run's LLM")
     p.add_argument("--epochs", type=float, default=d.epochs)
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--conversation-positions", type=int, default=d.conversation_positions,
+                   help="also train on the run's training conversations (prompts.json), "
+                        "teacher-forced: up to this many assistant positions (0: none)")
 
 
 def train_head(args: argparse.Namespace) -> int:
@@ -350,7 +356,8 @@ def train_head(args: argparse.Namespace) -> int:
     from specinfer.head import HeadConfig, train_head_pipeline
 
     report = train_head_pipeline(HeadConfig(data=Path(args.data), out=Path(args.out),
-                                            llm=args.llm, epochs=args.epochs, lr=args.lr))
+                                            llm=args.llm, epochs=args.epochs, lr=args.lr,
+                                            conversation_positions=args.conversation_positions))
     print(json.dumps(report, indent=2))
     return 0
 

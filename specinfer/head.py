@@ -12,10 +12,13 @@ then the LLM's final norm and the LLM's vocabulary head restricted to ``vocab_id
 normed output stands in for the LLM's feature of token j when the tree grows deeper. Only
 ``fc`` and the layer are trained and stored; the embedding, norm and head rows are the LLM's.
 
-Training data: the LLM's own greedy answers from a ``specinfer boost-tune`` run
-(``data/train-*.pt``, ShareGPT first turns, MT-Bench removed), its features computed once
-and cached; loss: the LLM's next-token distribution (over ``vocab_ids``) plus a feature
-regression, with uniform noise on the input features as EAGLE does.
+Training data, from a ``specinfer boost-tune`` run (ShareGPT, MT-Bench removed): the LLM's
+own greedy answers to the run's training prompts (``data/train-*.pt``) and the run's whole
+training conversations teacher-forced (``prompts.json``: the LLM reads the ShareGPT
+assistant turns, as EAGLE trains on a fixed dataset); the LLM's features are computed once
+and cached. Loss: the LLM's next-token distribution (over ``vocab_ids``) plus a feature
+regression, with uniform noise on the input features as EAGLE does. Held out: the LLM's
+answers to the run's held-out prompts.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import logging
 import math
 import random
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from specinfer.boost import optimizer_step, pool_vocab
-from specinfer.models import ModelError, load_model, quantize_linears
+from specinfer.boost import conversation_example, optimizer_step, pool_vocab
+from specinfer.models import ModelError, load_model, load_tokenizer, quantize_linears
 from specinfer.runtime import rotate_half
 from specinfer.ssm import DraftRequest, SSMDrafter
 from specinfer.tree import TokenTree
@@ -190,6 +194,10 @@ class HeadConfig:
     feature_weight: float = 1.0  # the regression loss's weight (the distribution's is 1)
     noise: float = 0.1  # uniform noise on input features, [-noise/2, noise/2]
     seed: int = 0
+    # Teacher-forced training conversations of the boost-tune run (prompts.json) beside
+    # its answers: up to this many assistant positions (0: none).
+    conversation_positions: int = 2_000_000
+    max_seq: int = 512  # conversations are cut to this many tokens
 
 
 @torch.inference_mode()
@@ -210,29 +218,54 @@ def llm_features(llm, sequences: list[list[int]], batch: int = 8) -> list[torch.
     return out
 
 
-def _examples(llm, chunk_paths: list[Path], cache: Path, desc: str) -> list[dict]:
-    """Answers as examples (``ids``, answer ``start``, ``features``), features cached per
-    chunk so an interrupted run resumes."""
-    cache.mkdir(parents=True, exist_ok=True)
+def answer_items(samples: list[dict]) -> list[dict]:
+    """Generated answers (``prompt``, ``answer``) as examples: ``ids`` and ``pos``, the
+    positions whose next token is answer text (the answer's end included)."""
     out = []
-    for path in tqdm(chunk_paths, desc=desc, unit="chunk"):
-        cached = cache / path.name
+    for s in samples:
+        start = len(s["prompt"]) - 1
+        out.append({"ids": s["prompt"] + s["answer"],
+                    "pos": list(range(start, start + len(s["answer"])))})
+    return out
+
+
+def conversation_items(tokenizer, conversations: list[list[dict]], max_seq: int
+                       ) -> list[dict]:
+    """ShareGPT conversations, teacher-forced: every assistant turn's positions."""
+    items = (conversation_example(tokenizer, turns, max_seq) for turns in conversations)
+    return [e for e in items if e is not None]
+
+
+def _examples(llm, sources: list[tuple[str, Callable[[], list[dict]]]], cache: Path,
+              desc: str, max_positions: int = 0) -> list[dict]:
+    """Examples (``ids``, ``pos``, ``features``) from named sources of ``ids``/``pos``
+    items, the LLM's features cached per source so an interrupted run resumes; stops
+    after ``max_positions`` training positions (0: all)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    out: list[dict] = []
+    positions = 0
+    for name, load in tqdm(sources, desc=desc, unit="chunk"):
+        if max_positions and positions >= max_positions:
+            break
+        cached = cache / f"{name}.pt"
         if not cached.exists():
-            samples = torch.load(path)
-            seqs = [s["prompt"] + s["answer"] for s in samples]
-            feats = llm_features(llm, seqs)
-            items = [{"ids": torch.tensor(q), "start": len(s["prompt"]), "features": f}
-                     for q, s, f in zip(seqs, samples, feats, strict=True)]
+            items = load()
+            feats = llm_features(llm, [e["ids"] for e in items])
+            items = [{"ids": torch.tensor(e["ids"]), "pos": torch.tensor(e["pos"]),
+                      "features": f} for e, f in zip(items, feats, strict=True)]
             tmp = cached.with_suffix(".tmp")
             torch.save(items, tmp)
             tmp.replace(cached)
-        out.extend(torch.load(cached))
+        chunk = torch.load(cached)
+        out.extend(chunk)
+        positions += sum(len(e["pos"]) for e in chunk)
     return out
 
 
 def _batch(examples: list[dict]):
     """Inputs (feature of token j-1, token j), targets (the LLM's feature of token j) and
-    the answer mask (outputs that predict an answer token) for a padded batch."""
+    the training mask (outputs whose target feature is at a training position) for a
+    padded batch."""
     width = max(len(e["ids"]) for e in examples) - 1
     hidden = examples[0]["features"].shape[-1]
     feats = torch.zeros(len(examples), width, hidden)
@@ -244,8 +277,9 @@ def _batch(examples: list[dict]):
         feats[j, :n] = e["features"][:n].float()
         target[j, :n] = e["features"][1:].float()
         tokens[j, :n] = e["ids"][1:]
-        # Output j predicts token j + 2; the answer starts at token ``start``.
-        answer[j, max(0, e["start"] - 2) : n] = True
+        # Output i's target is the feature at position i + 1.
+        pos = e["pos"][(e["pos"] >= 1) & (e["pos"] <= n)]
+        answer[j, pos - 1] = True
     return feats, tokens, target, answer
 
 
@@ -305,7 +339,8 @@ def train_head(head: DraftHead, examples: list[dict], cfg: HeadConfig) -> None:
 
 
 def train_head_pipeline(cfg: HeadConfig) -> dict:
-    """Features of a boost-tune run's LLM answers, a trained head, and its report."""
+    """The LLM's features over a boost-tune run's answers and training conversations, a
+    trained head, and its report (held out: the answers to the run's held-out prompts)."""
     data = cfg.data / "data"
     train_chunks = sorted(data.glob("train-*.pt"))
     held_chunks = sorted(data.glob("heldout-*.pt"))
@@ -320,16 +355,32 @@ def train_head_pipeline(cfg: HeadConfig) -> dict:
     torch.manual_seed(cfg.seed)
     llm = load_model(llm_ref)
     vocab_ids = pool_vocab(cfg.data)
-    train = _examples(llm, train_chunks, cfg.out / "features", "LLM features (train)")
-    held = _examples(llm, held_chunks, cfg.out / "features", "LLM features (held-out)")
+
+    def answers(path: Path) -> tuple[str, Callable[[], list[dict]]]:
+        return path.stem, lambda: answer_items(torch.load(path))
+
+    cache = cfg.out / "features"
+    train = _examples(llm, [answers(p) for p in train_chunks], cache, "LLM features (answers)")
+    conversations = json.loads((cfg.data / "prompts.json").read_text())["train"] \
+        if cfg.conversation_positions else []
+    if conversations:
+        tokenizer = load_tokenizer(llm_ref)
+        chunks = [conversations[i : i + 64] for i in range(0, len(conversations), 64)]
+        train += _examples(
+            llm, [(f"conversations-{k:05d}",
+                   lambda c=c: conversation_items(tokenizer, c, cfg.max_seq))
+                  for k, c in enumerate(chunks)],
+            cache, "LLM features (conversations)", cfg.conversation_positions)
+    held = _examples(llm, [answers(p) for p in held_chunks], cache, "LLM features (held-out)")
     head = DraftHead(llm, vocab_ids)
     untrained = head_match(head, held)
     train_head(head, train, cfg)
     report = {"llm": llm_ref, "vocab": len(vocab_ids), "epochs": cfg.epochs, "lr": cfg.lr,
               "train_sequences": len(train),
-              "train_answer_tokens": sum(len(e["ids"]) - e["start"] for e in train),
+              "train_positions": sum(len(e["pos"]) for e in train),
               "heldout_match": head_match(head, held), "untrained_match": untrained,
-              "data": f"the LLM's greedy answers in {cfg.data}/data (boost-tune)"}
+              "data": f"the LLM's greedy answers in {cfg.data}/data (boost-tune) and its "
+                      f"training conversations ({cfg.data}/prompts.json), teacher-forced"}
     save_head(head, cfg.out / "head", llm_ref, report)
     log.info("draft head trained", extra={"heldout_match": report["heldout_match"]})
     return report

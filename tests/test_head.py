@@ -122,3 +122,23 @@ def test_a_head_for_another_llm_is_refused(tiny_llama, tmp_path):
         load_head(tmp_path / "h", other)
     with pytest.raises(ValueError, match="head.json"):
         load_head(tmp_path, other)
+
+
+def test_training_targets_are_exactly_the_answer_positions():
+    """Output i reads the feature of token i and token i+1 and is trained on the LLM's
+    feature of token i+1 (its next token, i+2): only where that token is answer text."""
+    from specinfer.head import _batch, answer_items
+
+    item = answer_items([{"prompt": [5, 6, 7], "answer": [8, 9]}])[0]
+    assert item["ids"] == [5, 6, 7, 8, 9] and item["pos"] == [2, 3]  # 7 -> 8, 8 -> 9
+    hidden = 4
+    examples = [{"ids": torch.tensor(item["ids"]), "pos": torch.tensor(item["pos"]),
+                 "features": torch.arange(5 * hidden, dtype=torch.float).view(5, hidden)},
+                # Two assistant turns in one conversation, shorter than the batch width.
+                {"ids": torch.arange(4), "pos": torch.tensor([0, 2]),
+                 "features": torch.ones(4, hidden)}]
+    feats, tokens, target, mask = _batch(examples)
+    assert mask.tolist() == [[False, True, True, False], [False, True, False, False]]
+    assert tokens[0].tolist() == [6, 7, 8, 9]
+    assert torch.equal(target[0, 1], examples[0]["features"][2])
+    assert torch.equal(feats[0, 1], examples[0]["features"][1])

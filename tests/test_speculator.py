@@ -107,3 +107,16 @@ def test_ngram_continuations_cut_short_by_the_context_end_are_lengthened():
     assert tree.paths() == {(9,), (9, 9), (9, 9, 9), (9, 9, 9, 9)}
     tree = ngram_tree([4, 7, 4, 8, 8, 4], 3, branches=2, max_n=1)
     assert tree.paths() == {(8,), (8, 8), (8, 8, 4), (7,), (7, 4), (7, 4, 8)}
+
+
+def test_expansion_flags_are_checked_and_name_the_flag():
+    from specinfer.cli import _expansion
+    from specinfer.models import ModelError
+
+    assert _expansion("1, 0,3", "--expansion", min_width=0) == [1, 0, 3]
+    assert _expansion("2,1,1,1", "--head-expansion") == [2, 1, 1, 1]
+    for text, flag, low in [("1,0", "--head-expansion", 1), ("1,17", "--expansion", 0),
+                            ("1,x", "--expansion", 0), ("", "--head-expansion", 1),
+                            ("-1", "--expansion", 0)]:
+        with pytest.raises(ModelError, match=flag):
+            _expansion(text, flag, min_width=low)
