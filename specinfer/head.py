@@ -38,7 +38,13 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from specinfer.boost import conversation_example, optimizer_step, pool_vocab
+from specinfer.boost import (
+    BoostConfig,
+    conversation_example,
+    optimizer_step,
+    pool_vocab,
+    select_conversations,
+)
 from specinfer.models import ModelError, load_model, load_tokenizer, quantize_linears
 from specinfer.runtime import rotate_half
 from specinfer.ssm import DraftRequest, SSMDrafter
@@ -194,8 +200,8 @@ class HeadConfig:
     feature_weight: float = 1.0  # the regression loss's weight (the distribution's is 1)
     noise: float = 0.1  # uniform noise on input features, [-noise/2, noise/2]
     seed: int = 0
-    # Teacher-forced training conversations of the boost-tune run (prompts.json) beside
-    # its answers: up to this many assistant positions (0: none).
+    # Teacher-forced conversations beside the answers: the boost-tune run's training
+    # conversations, then more of ShareGPT, up to this many assistant positions (0: none).
     conversation_positions: int = 2_000_000
     max_seq: int = 512  # conversations are cut to this many tokens
 
@@ -234,6 +240,18 @@ def conversation_items(tokenizer, conversations: list[list[dict]], max_seq: int
     """ShareGPT conversations, teacher-forced: every assistant turn's positions."""
     items = (conversation_example(tokenizer, turns, max_seq) for turns in conversations)
     return [e for e in items if e is not None]
+
+
+def training_conversations(run: Path) -> list[tuple[str, list[list[dict]]]]:
+    """A boost-tune run's training conversations (its ``prompts.json``), then the rest of
+    ShareGPT under the same filter (English, MT-Bench removed), less the run's held-out
+    prompts: named groups, in a fixed order."""
+    split = json.loads((run / "prompts.json").read_text())
+    taken = {p.strip().lower() for p in split["heldout"]}
+    taken |= {t[0]["value"].strip().lower() for t in split["train"]}
+    everything, _ = select_conversations(BoostConfig(llm="", out=run, prompts=10**9, heldout=0))
+    rest = [t for t in everything if t[0]["value"].strip().lower() not in taken]
+    return [("conversations", split["train"]), ("sharegpt", rest)]
 
 
 def _examples(llm, sources: list[tuple[str, Callable[[], list[dict]]]], cache: Path,
@@ -361,16 +379,16 @@ def train_head_pipeline(cfg: HeadConfig) -> dict:
 
     cache = cfg.out / "features"
     train = _examples(llm, [answers(p) for p in train_chunks], cache, "LLM features (answers)")
-    conversations = json.loads((cfg.data / "prompts.json").read_text())["train"] \
-        if cfg.conversation_positions else []
-    if conversations:
+    if cfg.conversation_positions:
         tokenizer = load_tokenizer(llm_ref)
-        chunks = [conversations[i : i + 64] for i in range(0, len(conversations), 64)]
-        train += _examples(
-            llm, [(f"conversations-{k:05d}",
-                   lambda c=c: conversation_items(tokenizer, c, cfg.max_seq))
-                  for k, c in enumerate(chunks)],
-            cache, "LLM features (conversations)", cfg.conversation_positions)
+        sources = []
+        for name, conversations in training_conversations(cfg.data):
+            chunks = [conversations[i : i + 64] for i in range(0, len(conversations), 64)]
+            sources += [(f"{name}-{k:05d}",
+                         lambda c=c: conversation_items(tokenizer, c, cfg.max_seq))
+                        for k, c in enumerate(chunks)]
+        train += _examples(llm, sources, cache, "LLM features (conversations)",
+                           cfg.conversation_positions)
     held = _examples(llm, [answers(p) for p in held_chunks], cache, "LLM features (held-out)")
     head = DraftHead(llm, vocab_ids)
     untrained = head_match(head, held)
@@ -379,8 +397,10 @@ def train_head_pipeline(cfg: HeadConfig) -> dict:
               "train_sequences": len(train),
               "train_positions": sum(len(e["pos"]) for e in train),
               "heldout_match": head_match(head, held), "untrained_match": untrained,
-              "data": f"the LLM's greedy answers in {cfg.data}/data (boost-tune) and its "
-                      f"training conversations ({cfg.data}/prompts.json), teacher-forced"}
+              "conversation_positions": cfg.conversation_positions,
+              "data": f"the LLM's greedy answers in {cfg.data}/data (boost-tune), then "
+                      f"ShareGPT conversations teacher-forced ({cfg.data}/prompts.json's "
+                      "training split first; MT-Bench and held-out prompts removed)"}
     save_head(head, cfg.out / "head", llm_ref, report)
     log.info("draft head trained", extra={"heldout_match": report["heldout_match"]})
     return report

@@ -47,7 +47,8 @@ def test_boost_tuning_improves_the_pool_and_writes_loadable_ssms(tiny_chat_llm, 
     # LLM (this random LLM's flat distributions are hard to match: 0.08 against 0.0 here),
     # shares the pool's vocabulary, and is written loadable.
     head_report = train_head_pipeline(HeadConfig(data=tmp_path / "pool", out=tmp_path / "head",
-                                                 epochs=20, lr=5e-3))
+                                                 epochs=20, lr=5e-3,
+                                                 conversation_positions=2000))
     assert head_report["heldout_match"]["level1"] > \
         head_report["untrained_match"]["level1"] + 0.04, head_report
     head = load_head(tmp_path / "head" / "head", load_model(tiny_chat_llm))
