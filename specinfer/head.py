@@ -79,10 +79,15 @@ class DraftHead(nn.Module):
     def trained_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if not k.startswith("lm_head.")}
 
-    def forward(self, features: torch.Tensor, tokens: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Training form, causal over whole sequences: ``features [B, T, H]`` (of the token
-        before each of ``tokens [B, T]``) to (normed outputs, logits over ``vocab_ids``)."""
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor,
+                earlier: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Training form, over whole sequences: ``features [B, T, H]`` (of the token before
+        each of ``tokens [B, T]``) to (normed outputs, logits over ``vocab_ids``, this
+        pass's keys and values). Plain causal attention reads the LLM's features; with the
+        keys and values of ``earlier`` passes (pass 1 on the LLM's features, then each
+        deeper level), position i is the last node of a chain drafted ``len(earlier)``
+        levels past the true context, as a draft tree sees it (``unrolled_attention``)."""
         body = self.llm.model
         x = self.fc(torch.cat([features, body.embed_tokens(tokens)], -1))
         b, t, _ = x.shape
@@ -93,11 +98,43 @@ class DraftHead(nn.Module):
         q, k, v = (proj(y).view(b, t, -1, head_dim).transpose(1, 2)
                    for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if earlier:
+            out = unrolled_attention(q, [*earlier, (k, v)])
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         x = x + self.layer.mlp(self.layer.post_attention_layernorm(x))
         normed = body.norm(x)
-        return normed, self.lm_head(normed)
+        return normed, self.lm_head(normed), (k, v)
+
+
+def unrolled_attention(q: torch.Tensor, passes: list[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> torch.Tensor:
+    """Attention of pass s = ``len(passes)`` (queries ``q [B, heads, T, D]``) as the
+    s-th level of a chain: position i was drafted from the true context up to position
+    i - s + 1 (pass 1's keys there), then one node per level (pass u's key at position
+    i - s + u). EAGLE-3's "training-time test", written out."""
+    s, t = len(passes), q.shape[2]
+    group = q.shape[1] // passes[0][0].shape[1]
+    keys = [k.repeat_interleave(group, 1) for k, _ in passes]
+    values = [v.repeat_interleave(group, 1) for _, v in passes]
+    scale = q.shape[-1] ** -0.5
+
+    def shifted(x: torch.Tensor, by: int) -> torch.Tensor:  # row i holds x's row i - by
+        return F.pad(x, (0, 0, by, 0))[:, :, :t]
+
+    context = (q @ keys[0].transpose(-1, -2)) * scale
+    allowed = torch.ones(t, t, dtype=torch.bool).tril(-(s - 1))
+    scores = [context.masked_fill(~allowed, float("-inf"))]
+    rows = torch.arange(t)[:, None]
+    for u in range(2, s + 1):
+        node = (q * shifted(keys[u - 1], s - u)).sum(-1, keepdim=True) * scale
+        scores.append(node.masked_fill(rows < s - u, float("-inf")))
+    weights = torch.cat(scores, -1).softmax(-1)
+    out = weights[..., :t] @ values[0]
+    for u in range(2, s + 1):
+        out = out + weights[..., t + u - 2 : t + u - 1] * shifted(values[u - 1], s - u)
+    return out
 
 
 def save_head(head: DraftHead, path: Path, llm_ref: str, report: dict) -> None:
@@ -199,6 +236,10 @@ class HeadConfig:
     batch: int = 8
     feature_weight: float = 1.0  # the regression loss's weight (the distribution's is 1)
     noise: float = 0.1  # uniform noise on input features, [-noise/2, noise/2]
+    # Draft levels trained: level u reads the head's own features of level u - 1, with
+    # attention as a chain drafted that deep sees it (level 1's loss weighs 1).
+    levels: int = 2
+    deeper_weight: float = 0.5
     seed: int = 0
     # Teacher-forced conversations beside the answers: the boost-tune run's training
     # conversations, then more of ShareGPT, up to this many assistant positions (0: none).
@@ -301,25 +342,36 @@ def _batch(examples: list[dict]):
     return feats, tokens, target, answer
 
 
+def _unrolled(head: DraftHead, feats: torch.Tensor, tokens: torch.Tensor, levels: int):
+    """(normed, logits) of each draft level: level 1 reads the LLM's features; level u
+    reads the head's own output of level u - 1 for the token before (its parent), with
+    attention as a chain drafted u - 1 levels past the true context."""
+    inputs, earlier, out = feats, [], []
+    for _ in range(levels):
+        normed, logits, kv = head(inputs, tokens, earlier)
+        out.append((normed, logits))
+        earlier.append(kv)
+        inputs = torch.cat([feats[:, :1], normed[:, :-1]], 1)
+    return out
+
+
 @torch.no_grad()
-def head_match(head: DraftHead, examples: list[dict]) -> dict[str, float]:
-    """How often the head's top-1 is the LLM's greedy next token at answer positions:
-    ``level1`` from the LLM's features, ``level2`` from the head's own feature for the
-    token before (as the second level of a draft tree reads it)."""
+def head_match(head: DraftHead, examples: list[dict], levels: int = 3) -> dict[str, float]:
+    """How often the head's top-1 is the LLM's greedy next token at answer positions, per
+    draft level (``level1`` from the LLM's features; deeper levels from the head's own, as
+    a draft chain reads them; each given that the tokens before it are right)."""
     weight = head.llm.lm_head.weight
-    hits1 = hits2 = total = 0
+    hits, total = [0] * levels, [0] * levels
     for start in range(0, len(examples), 8):
         feats, tokens, target, answer = _batch(examples[start : start + 8])
-        normed, logits = head(feats, tokens)
         want = (target @ weight.T).argmax(-1)
-        hits1 += int(((head.vocab_ids[logits.argmax(-1)] == want) & answer).sum())
-        # Level 2: output j reads its predicted feature (output j-1), ancestors true.
-        shifted = torch.cat([feats[:, :1], normed[:, :-1]], 1)
-        _, logits2 = head(shifted, tokens)
-        hits2 += int(((head.vocab_ids[logits2.argmax(-1)] == want) & answer).sum())
-        total += int(answer.sum())
-    return {"level1": hits1 / max(1, total), "level2_own_feature": hits2 / max(1, total),
-            "positions": total}
+        for u, (_, logits) in enumerate(_unrolled(head, feats, tokens, levels)):
+            valid = answer.clone()
+            valid[:, :u] = False  # no chain u levels deep ends there
+            hits[u] += int(((head.vocab_ids[logits.argmax(-1)] == want) & valid).sum())
+            total[u] += int(valid.sum())
+    return {**{f"level{u + 1}": hits[u] / max(1, total[u]) for u in range(levels)},
+            "positions": total[0]}
 
 
 def train_head(head: DraftHead, examples: list[dict], cfg: HeadConfig) -> None:
@@ -343,15 +395,21 @@ def train_head(head: DraftHead, examples: list[dict], cfg: HeadConfig) -> None:
             feats, tokens, target, answer = _batch([examples[i] for i in chosen])
             feats = feats + cfg.noise * (torch.rand_like(feats) - 0.5)
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                normed, logits = head(feats, tokens)
-            with torch.no_grad():
-                want = (target[answer] @ head_rows.T).softmax(-1)
-            ce = -(want * F.log_softmax(logits[answer].float(), -1)).sum(-1).mean()
-            reg = F.smooth_l1_loss(normed[answer].float(), target[answer])
-            optimizer_step(opt, sched, params, ce + cfg.feature_weight * reg)
+                levels = _unrolled(head, feats, tokens, cfg.levels)
+            losses = []
+            for u, (normed, logits) in enumerate(levels):
+                valid = answer.clone()
+                valid[:, :u] = False
+                with torch.no_grad():
+                    want = (target[valid] @ head_rows.T).softmax(-1)
+                ce = -(want * F.log_softmax(logits[valid].float(), -1)).sum(-1).mean()
+                reg = F.smooth_l1_loss(normed[valid].float(), target[valid])
+                losses.append((ce + cfg.feature_weight * reg) * (1.0 if u == 0 else
+                                                                 cfg.deeper_weight))
+            optimizer_step(opt, sched, params, sum(losses))
             done += 1
             bar.update(1)
-            bar.set_postfix(ce=f"{ce.item():.3f}", feat=f"{reg.item():.3f}")
+            bar.set_postfix(loss=f"{sum(losses).item():.3f}")
     bar.close()
     head.eval().requires_grad_(False)
 

@@ -52,7 +52,7 @@ def test_tree_drafting_matches_the_training_form(llm):
     assert len(tree) == 3 and tree.parents == [-1, 0, 1]
     inputs, tokens = feats[:-1], list(context[1:])
     for drafted in tree.tokens:
-        normed, logits = head(inputs[None], torch.tensor([tokens]))
+        normed, logits, _ = head(inputs[None], torch.tensor([tokens]))
         assert drafted == int(vocab_ids[logits[0, -1].argmax()])
         inputs = torch.cat([inputs, normed[0, -1:]])
         tokens.append(drafted)
@@ -65,6 +65,29 @@ def test_tree_drafting_matches_the_training_form(llm):
     assert warm.tokens == cold.tokens and warm.parents == cold.parents
     with pytest.raises(ValueError, match="features"):
         drafter.propose([DraftRequest("s", context, [1], features=feats)])
+
+
+@torch.inference_mode()
+def test_unrolled_training_levels_are_draft_chains(llm):
+    """Level u of the unrolled training form at position i equals a chain drafted u levels
+    past the true context that ends at i - u (the LLM's features there, the head's own
+    after), recomputed step by step with plain causal attention."""
+    from specinfer.head import _unrolled
+
+    head = _random_head(llm, torch.arange(3, 128, 2), seed=1)
+    ids = [5, 17, 42, 9, 77, 31, 64, 8, 99, 12]
+    feats = _features(llm, ids)[:-1]
+    tokens = torch.tensor(ids[1:])
+    levels = _unrolled(head, feats[None], tokens[None], 3)
+    for u in range(3):
+        for i in range(u, len(tokens)):
+            inputs, toks = feats[: i - u + 1], tokens[: i - u + 1]
+            for step in range(u + 1):
+                normed, logits, _ = head(inputs[None], toks[None])
+                inputs = torch.cat([inputs, normed[0, -1:]])
+                toks = tokens[: i - u + step + 2]
+            assert torch.allclose(levels[u][1][0, i], logits[0, -1], atol=1e-4), (u, i)
+            assert torch.allclose(levels[u][0][0, i], normed[0, -1], atol=1e-4), (u, i)
 
 
 @pytest.fixture(scope="module")
