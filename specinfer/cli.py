@@ -345,8 +345,11 @@ def _add_head_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=float, default=d.epochs)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--conversation-positions", type=int, default=d.conversation_positions,
-                   help="also train on the run's training conversations (prompts.json), "
-                        "teacher-forced: up to this many assistant positions (0: none)")
+                   help="also train on ShareGPT conversations, teacher-forced (the run's "
+                        "training split in prompts.json first, then the rest of the filtered "
+                        "set): up to this many assistant positions (0: none)")
+    p.add_argument("--levels", type=int, default=d.levels,
+                   help="draft levels trained (deeper ones read the head's own features)")
 
 
 def train_head(args: argparse.Namespace) -> int:
@@ -357,7 +360,8 @@ def train_head(args: argparse.Namespace) -> int:
 
     report = train_head_pipeline(HeadConfig(data=Path(args.data), out=Path(args.out),
                                             llm=args.llm, epochs=args.epochs, lr=args.lr,
-                                            conversation_positions=args.conversation_positions))
+                                            conversation_positions=args.conversation_positions,
+                                            levels=args.levels))
     print(json.dumps(report, indent=2))
     return 0
 

@@ -417,6 +417,13 @@ def train_head(head: DraftHead, examples: list[dict], cfg: HeadConfig) -> None:
 def train_head_pipeline(cfg: HeadConfig) -> dict:
     """The LLM's features over a boost-tune run's answers and training conversations, a
     trained head, and its report (held out: the answers to the run's held-out prompts)."""
+    for flag, value, ok in [("--levels", cfg.levels, cfg.levels >= 1),
+                            ("--epochs", cfg.epochs, cfg.epochs > 0),
+                            ("--conversation-positions", cfg.conversation_positions,
+                             cfg.conversation_positions >= 0)]:
+        if not ok:
+            raise ModelError(f"{flag}: {value} is out of range (levels >= 1, epochs > 0, "
+                             "conversation positions >= 0)")
     data = cfg.data / "data"
     train_chunks = sorted(data.glob("train-*.pt"))
     held_chunks = sorted(data.glob("heldout-*.pt"))

@@ -165,3 +165,16 @@ def test_training_targets_are_exactly_the_answer_positions():
     assert tokens[0].tolist() == [6, 7, 8, 9]
     assert torch.equal(target[0, 1], examples[0]["features"][2])
     assert torch.equal(feats[0, 1], examples[0]["features"][1])
+
+
+def test_train_head_rejects_bad_settings_naming_the_flag(tmp_path):
+    from specinfer.head import HeadConfig, train_head_pipeline
+    from specinfer.models import ModelError
+
+    for field, value, flag in [("levels", 0, "--levels"), ("epochs", 0.0, "--epochs"),
+                               ("conversation_positions", -1, "--conversation-positions")]:
+        cfg = HeadConfig(data=tmp_path, out=tmp_path / "out", **{field: value})
+        with pytest.raises(ModelError, match=flag):
+            train_head_pipeline(cfg)
+    with pytest.raises(ModelError, match="--data"):  # no boost-tune run there
+        train_head_pipeline(HeadConfig(data=tmp_path, out=tmp_path / "out"))
