@@ -13,12 +13,14 @@ normed output stands in for the LLM's feature of token j when the tree grows dee
 ``fc`` and the layer are trained and stored; the embedding, norm and head rows are the LLM's.
 
 Training data, from a ``specinfer boost-tune`` run (ShareGPT, MT-Bench removed): the LLM's
-own greedy answers to the run's training prompts (``data/train-*.pt``) and the run's whole
-training conversations teacher-forced (``prompts.json``: the LLM reads the ShareGPT
-assistant turns, as EAGLE trains on a fixed dataset); the LLM's features are computed once
-and cached. Loss: the LLM's next-token distribution (over ``vocab_ids``) plus a feature
-regression, with uniform noise on the input features as EAGLE does. Held out: the LLM's
-answers to the run's held-out prompts.
+own greedy answers to the run's training prompts (``data/train-*.pt``), then ShareGPT
+conversations teacher-forced (the run's training split, then more under the same filter:
+the LLM reads the ShareGPT assistant turns, as EAGLE trains on a fixed dataset); the LLM's
+features are computed once and cached. Loss: the LLM's next-token distribution (over
+``vocab_ids``) plus a feature regression, with uniform noise on the input features as
+EAGLE does, at draft level 1 and at deeper levels unrolled as a draft chain sees them
+(the head's own features, EAGLE-3's training-time test). Held out: the LLM's answers to
+the run's held-out prompts.
 """
 
 from __future__ import annotations
@@ -231,7 +233,7 @@ class HeadConfig:
     data: Path  # a boost-tune output directory: its data/train-*.pt and heldout-*.pt
     out: Path
     llm: str = ""  # default: the boost-tune run's
-    epochs: float = 4.0
+    epochs: float = 1.5
     lr: float = 2e-3
     batch: int = 8
     feature_weight: float = 1.0  # the regression loss's weight (the distribution's is 1)
@@ -243,7 +245,7 @@ class HeadConfig:
     seed: int = 0
     # Teacher-forced conversations beside the answers: the boost-tune run's training
     # conversations, then more of ShareGPT, up to this many assistant positions (0: none).
-    conversation_positions: int = 2_000_000
+    conversation_positions: int = 1_200_000
     max_seq: int = 512  # conversations are cut to this many tokens
 
 
