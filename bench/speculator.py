@@ -117,7 +117,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--llm", default=DEFAULT_LLM)
-    ap.add_argument("--pool", nargs="*", default=None, help="SSM refs (default: bundled pool)")
+    ap.add_argument("--pool", nargs="*", default=None,
+                    help="SSM refs (default: bundled pool; none given: no SSM configs)")
     ap.add_argument("--prompts", type=int, default=8, help="MT-Bench first turns (<= 80)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--head", default=None, help="draft head dir (default: bundled), or none")
@@ -155,9 +156,10 @@ def main() -> None:
     configs.append(("ngram+datastore, 2 nodes T=0.7", [], True, store, stoch, [0], 2))
     if len(drafters) > 1:
         configs.append(("ssm-1+ngram", drafters[:1], True, None, greedy, default, 64))
-    configs.append(("pool+ngram", drafters, True, None, greedy, default, 64))
-    configs.append(("pool+ngram+datastore", drafters, True, store, greedy, default, 64))
-    configs.append(("pool+ngram T=0.7", drafters, True, None, stoch, default, 64))
+    if drafters:  # `--pool` with no refs: model-free and head configs only
+        configs.append(("pool+ngram", drafters, True, None, greedy, default, 64))
+        configs.append(("pool+ngram+datastore", drafters, True, store, greedy, default, 64))
+        configs.append(("pool+ngram T=0.7", drafters, True, None, stoch, default, 64))
     if drafters and not args.quick:
         for name, shape in SHAPES.items():
             if shape != default:
@@ -168,13 +170,14 @@ def main() -> None:
     head_configs = []
     if engine.head is not None:
         head_configs = [("head chain-4", [1, 1, 1, 1], 4, greedy),
-                        ("head chain-4 + ngram+datastore, 16 nodes", [1, 1, 1, 1], 16, greedy),
-                        ("head chain-4 + ngram+datastore, 16 nodes T=0.7", [1, 1, 1, 1], 16,
-                         stoch)]
+                        ("head [2,1,1,1] + ngram+datastore, 16 nodes (default)", [2, 1, 1, 1],
+                         16, greedy),
+                        ("head [2,1,1,1] + ngram+datastore, 16 nodes T=0.7", [2, 1, 1, 1],
+                         16, stoch)]
         if not args.quick:
-            head_configs += [("head w2-d4 + ngram+datastore, 16 nodes", [2, 1, 1, 1], 16,
+            head_configs += [("head chain-4 + ngram+datastore, 16 nodes", [1, 1, 1, 1], 16,
                               greedy),
-                             ("head chain-4 + ngram+datastore, 8 nodes", [1, 1, 1, 1], 8,
+                             ("head [2,1,1,1] + ngram+datastore, 8 nodes", [2, 1, 1, 1], 8,
                               greedy)]
 
     results = {"llm": args.llm, "pool": refs, "head": str(head) if head else None,

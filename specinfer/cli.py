@@ -37,8 +37,9 @@ def _add_verifier_args(p: argparse.ArgumentParser) -> None:
                    help="a draft head on the LLM's features (specinfer train-head): auto (the "
                         "bundled one for the LLM, if any, with --tp 1 --pp 1), none, or a "
                         "directory")
-    p.add_argument("--head-expansion", default="1,1,1,1",
-                   help="the draft head's static tree, e.g. 1,1,1,1 (a chain of 4)")
+    p.add_argument("--head-expansion", default="2,1,1,1",
+                   help="the draft head's static tree: children per level (default: 2 "
+                        "candidates, each continued by a chain of 3)")
     p.add_argument("--head-dynamic", action="store_true",
                    help="the draft head grows dynamic trees (greedy sequences)")
 

@@ -43,7 +43,7 @@ class EngineConfig:
     prefill_chunk: int = 256
     # The draft head's tree (``VerifyItem.draft_head``): a static expansion, or dynamic
     # (EAGLE-2 style, greedy sequences) within the item's node budget.
-    head_expansion: tuple[int, ...] = (1, 1, 1, 1)
+    head_expansion: tuple[int, ...] = (2, 1, 1, 1)
     head_dynamic: bool = False
 
 
