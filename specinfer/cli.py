@@ -348,7 +348,8 @@ def _add_head_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversation-positions", type=int, default=d.conversation_positions,
                    help="also train on ShareGPT conversations, teacher-forced (the run's "
                         "training split in prompts.json first, then the rest of the filtered "
-                        "set): up to this many assistant positions (0: none)")
+                        "set), in chunks of 64 conversations until this many assistant "
+                        "positions (0: none)")
     p.add_argument("--levels", type=int, default=d.levels,
                    help="draft levels trained (deeper ones read the head's own features)")
 

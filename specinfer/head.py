@@ -244,7 +244,8 @@ class HeadConfig:
     deeper_weight: float = 0.5
     seed: int = 0
     # Teacher-forced conversations beside the answers: the boost-tune run's training
-    # conversations, then more of ShareGPT, up to this many assistant positions (0: none).
+    # conversations, then more of ShareGPT, in chunks of 64 until this many assistant
+    # positions (0: none).
     conversation_positions: int = 1_200_000
     max_seq: int = 512  # conversations are cut to this many tokens
 
