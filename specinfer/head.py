@@ -462,7 +462,7 @@ def train_head_pipeline(cfg: HeadConfig) -> dict:
     untrained = head_match(head, held)
     train_head(head, train, cfg)
     report = {"llm": llm_ref, "vocab": len(vocab_ids), "epochs": cfg.epochs, "lr": cfg.lr,
-              "train_sequences": len(train),
+              "levels": cfg.levels, "train_sequences": len(train),
               "train_positions": sum(len(e["pos"]) for e in train),
               "heldout_match": head_match(head, held), "untrained_match": untrained,
               "conversation_positions": cfg.conversation_positions,
