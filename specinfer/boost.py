@@ -233,20 +233,34 @@ def conversation_example(tokenizer, turns: list[dict], max_seq: int) -> dict | N
     return {"ids": ids[:max_seq], "pos": positions}
 
 
+def conversation_examples(tokenizer, conversations: list[list[dict]], max_seq: int
+                          ) -> list[dict]:
+    """``conversation_example`` of each conversation that has an assistant turn."""
+    items = (conversation_example(tokenizer, turns, max_seq) for turns in conversations)
+    return [e for e in items if e is not None]
+
+
+def hidden_batches(model, sequences: list[list[int]], batch: int):
+    """The LLM's normed last hidden states, ``batch`` sequences at a time, shortest first:
+    yields (indices into ``sequences``, hidden ``[b, width, H]``). Right padding: causal
+    attention never lets a real token see it."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    for start in range(0, len(order), batch):
+        idx = order[start : start + batch]
+        width = max(len(sequences[i]) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        for j, i in enumerate(idx):
+            ids[j, : len(sequences[i])] = torch.as_tensor(sequences[i])
+        yield idx, model.model(input_ids=ids).last_hidden_state
+
+
 @torch.inference_mode()
 def teacher_targets(model, examples: list[dict], topk: int, batch: int) -> list[dict]:
     """Adds the LLM's top-k next-token ids and probabilities at each example's positions
-    (``top_ids [P, k]`` int32, ``top_p [P, k]`` float16). Right padding: causal attention
-    never lets a real token see it."""
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["ids"]))
-    for start in range(0, len(order), batch):
-        chunk = [examples[i] for i in order[start : start + batch]]
-        width = max(len(e["ids"]) for e in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        for j, e in enumerate(chunk):
-            ids[j, : len(e["ids"])] = torch.tensor(e["ids"])
-        hidden = model.model(input_ids=ids).last_hidden_state
-        for j, e in enumerate(chunk):
+    (``top_ids [P, k]`` int32, ``top_p [P, k]`` float16)."""
+    for idx, hidden in hidden_batches(model, [e["ids"] for e in examples], batch):
+        for j, i in enumerate(idx):
+            e = examples[i]
             logits = model.lm_head(hidden[j, torch.tensor(e["pos"])]).float()
             top = logits.softmax(-1).topk(topk, dim=-1)
             e["top_ids"] = top.indices.to(torch.int32)
@@ -277,8 +291,7 @@ def run_distillation(cfg: BoostConfig, conversations: list[list[dict]], model,
             continue
         if cfg.distill_tokens and done >= cfg.distill_tokens:
             break
-        examples = [e for e in (conversation_example(tokenizer, t, cfg.max_seq) for t in chunk)
-                    if e is not None]
+        examples = conversation_examples(tokenizer, chunk, cfg.max_seq)
         _save(teacher_targets(model, examples, cfg.topk, cfg.gen_batch), path)
         n = sum(len(e["pos"]) for e in examples)
         done += n

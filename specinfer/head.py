@@ -26,13 +26,13 @@ the run's held-out prompts.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
 import random
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,7 +42,9 @@ from tqdm import tqdm
 
 from specinfer.boost import (
     BoostConfig,
-    conversation_example,
+    answer_example,
+    conversation_examples,
+    hidden_batches,
     optimizer_step,
     pool_vocab,
     select_conversations,
@@ -219,16 +221,14 @@ class FeatureDrafter(SSMDrafter):
                     or req.features.shape[0] != len(req.context) - 1:
                 raise ValueError(f"items[{i}].features: need the LLM's features of the "
                                  f"{len(req.context) - 1} context tokens before the root")
-        shifted = [DraftRequest(r.sequence_id, r.context[1:], r.expansion, r.params,
-                                r.generator, r.dynamic, r.max_nodes, r.features)
-                   for r in requests]
-        return super().propose(shifted)
+        return super().propose([dataclasses.replace(r, context=r.context[1:])
+                                for r in requests])
 
 
 # --- training -----------------------------------------------------------------------------
 
 
-@dataclass
+@dataclasses.dataclass
 class HeadConfig:
     data: Path  # a boost-tune output directory: its data/train-*.pt and heldout-*.pt
     out: Path
@@ -254,36 +254,11 @@ class HeadConfig:
 def llm_features(llm, sequences: list[list[int]], batch: int = 8) -> list[torch.Tensor]:
     """The LLM's normed last hidden state of every token, per sequence (bfloat16)."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    for start in range(0, len(order), batch):
-        idx = order[start : start + batch]
-        width = max(len(sequences[i]) for i in idx)
-        ids = torch.zeros(len(idx), width, dtype=torch.long)
-        for j, i in enumerate(idx):
-            ids[j, : len(sequences[i])] = torch.tensor(sequences[i])
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # 2x faster; noise is trained in
-            hidden = llm.model(input_ids=ids).last_hidden_state
-        for j, i in enumerate(idx):
-            out[i] = hidden[j, : len(sequences[i])].to(torch.bfloat16).clone()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # 2x faster; noise is trained in
+        for idx, hidden in hidden_batches(llm, sequences, batch):
+            for j, i in enumerate(idx):
+                out[i] = hidden[j, : len(sequences[i])].to(torch.bfloat16).clone()
     return out
-
-
-def answer_items(samples: list[dict]) -> list[dict]:
-    """Generated answers (``prompt``, ``answer``) as examples: ``ids`` and ``pos``, the
-    positions whose next token is answer text (the answer's end included)."""
-    out = []
-    for s in samples:
-        start = len(s["prompt"]) - 1
-        out.append({"ids": s["prompt"] + s["answer"],
-                    "pos": list(range(start, start + len(s["answer"])))})
-    return out
-
-
-def conversation_items(tokenizer, conversations: list[list[dict]], max_seq: int
-                       ) -> list[dict]:
-    """ShareGPT conversations, teacher-forced: every assistant turn's positions."""
-    items = (conversation_example(tokenizer, turns, max_seq) for turns in conversations)
-    return [e for e in items if e is not None]
 
 
 def training_conversations(run: Path) -> list[tuple[str, list[list[dict]]]]:
@@ -443,7 +418,7 @@ def train_head_pipeline(cfg: HeadConfig) -> dict:
     vocab_ids = pool_vocab(cfg.data)
 
     def answers(path: Path) -> tuple[str, Callable[[], list[dict]]]:
-        return path.stem, lambda: answer_items(torch.load(path))
+        return path.stem, lambda: [answer_example(s) for s in torch.load(path)]
 
     cache = cfg.out / "features"
     train = _examples(llm, [answers(p) for p in train_chunks], cache, "LLM features (answers)")
@@ -453,7 +428,7 @@ def train_head_pipeline(cfg: HeadConfig) -> dict:
         for name, conversations in training_conversations(cfg.data):
             chunks = [conversations[i : i + 64] for i in range(0, len(conversations), 64)]
             sources += [(f"{name}-{k:05d}",
-                         lambda c=c: conversation_items(tokenizer, c, cfg.max_seq))
+                         lambda c=c: conversation_examples(tokenizer, c, cfg.max_seq))
                         for k, c in enumerate(chunks)]
         train += _examples(llm, sources, cache, "LLM features (conversations)",
                            cfg.conversation_positions)

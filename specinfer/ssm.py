@@ -196,8 +196,8 @@ class SSMDrafter:
         scores: list[list[float]] = [[] for _ in requests]  # path log-prob per node
         expand: list[list[int]] = [[ROOT] for _ in requests]  # nodes to expand next
         logits_of: list[dict[int, torch.Tensor]] = [{ROOT: root_logits[b]} for b in range(n)]
-        # Each node's normed hidden state: its children's feature (feature drafters).
-        normed_of: list[dict[int, torch.Tensor]] = [{ROOT: root_normed[b]} for b in range(n)]
+        # Feature drafters only: each node's normed hidden state, its children's feature.
+        normed_of = None if features is None else [{ROOT: root_normed[b]} for b in range(n)]
         for level in range(max(depth_of, default=0)):
             new_nodes: list[list[int]] = [[] for _ in requests]
             for b, req in enumerate(requests):
@@ -232,11 +232,11 @@ class SSMDrafter:
                 if level + 1 >= depth_of[b]:
                     expand[b] = []
             if any(expand):
-                outs = self._expand_forward(requests, slots, trees, expand, normed_of,
-                                            features is not None)
+                outs = self._expand_forward(requests, slots, trees, expand, normed_of)
                 for b, (rows, normed) in enumerate(outs):
                     logits_of[b] = dict(zip(expand[b], rows, strict=True))
-                    normed_of[b] = dict(zip(expand[b], normed, strict=True))
+                    if normed_of is not None:
+                        normed_of[b] = dict(zip(expand[b], normed, strict=True))
         return [self._prune(t, s, budget[b]) if dynamic[b] else t
                 for b, (t, s) in enumerate(zip(trees, scores, strict=True))]
 
@@ -252,12 +252,12 @@ class SSMDrafter:
             remap[u] = kept.add(remap[tree.parents[u]], tree.tokens[u], tree.drafts[u])
         return kept
 
-    def _expand_forward(self, requests, slots, trees, expand, normed_of, with_features: bool
+    def _expand_forward(self, requests, slots, trees, expand, normed_of=None
                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Logits and normed hidden states after each node in ``expand`` (per row): one
         forward, each node written at (root position + 1 + node index) and seeing the
-        context and its ancestors; with ``with_features`` a node's feature is its
-        parent's normed hidden state."""
+        context and its ancestors; with ``normed_of`` (feature drafters) a node's feature
+        is its parent's normed hidden state."""
         rows = [b for b in range(len(requests)) if expand[b]]
         q = max(len(expand[b]) for b in rows)
         base = [len(requests[b].context) - 1 for b in rows]  # the root's cache position
@@ -268,7 +268,7 @@ class SSMDrafter:
         write = torch.zeros(len(rows), q, dtype=torch.long)
         visible = torch.zeros(len(rows), q, key_len, dtype=torch.bool)
         feats = None
-        if with_features:
+        if normed_of is not None:
             feats = torch.zeros(len(rows), q, self.runtime.config.hidden_size)
         for i, b in enumerate(rows):
             tree, nodes = trees[b], expand[b]

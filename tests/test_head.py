@@ -150,9 +150,10 @@ def test_a_head_for_another_llm_is_refused(tiny_llama, tmp_path):
 def test_training_targets_are_exactly_the_answer_positions():
     """Output i reads the feature of token i and token i+1 and is trained on the LLM's
     feature of token i+1 (its next token, i+2): only where that token is answer text."""
-    from specinfer.head import _batch, answer_items
+    from specinfer.boost import answer_example
+    from specinfer.head import _batch
 
-    item = answer_items([{"prompt": [5, 6, 7], "answer": [8, 9]}])[0]
+    item = answer_example({"prompt": [5, 6, 7], "answer": [8, 9]})
     assert item["ids"] == [5, 6, 7, 8, 9] and item["pos"] == [2, 3]  # 7 -> 8, 8 -> 9
     hidden = 4
     examples = [{"ids": torch.tensor(item["ids"]), "pos": torch.tensor(item["pos"]),
