@@ -5,11 +5,14 @@ pool, n-gram alone, the corpus datastore alone, the model-free pair (n-gram + da
 the router's lookup modes), pool + n-gram (+ datastore); greedy and stochastic (T=0.7);
 and tree shapes (a sequence vs trees of width 2-5). Then the verifier's draft head on the
 LLM's features (``specinfer.head``), alone and with the model-free drafts (the router's
-"head" mode). Also each drafter's draft-step cost relative to an LLM step.
-Prints a table, writes JSON and a PNG plot.
+"head" mode). Also each drafter's draft-step cost relative to an LLM step, and a length
+profile: accepted tokens per step over the first N tokens of answers up to
+``max(--lengths)`` long, beside how much of those answers repeats itself (a small LLM's
+greedy answers loop, and model-free drafts accept whole loops).
+Prints tables, writes JSON and PNG plots.
 
     python bench/speculator.py [--pool DIR ...] [--head DIR|none] [--prompts 8]
-                               [--new-tokens 64] [--quick]
+                               [--new-tokens 64] [--lengths 64,128,256,512] [--quick]
 """
 
 from __future__ import annotations
@@ -104,10 +107,56 @@ def draft_cost(drafter: SSMDrafter, engine, context: list[int], reps: int = 10) 
     return {"ssm_level_ms": ssm_ms, "llm_step_ms": llm_ms, "ratio": ssm_ms / llm_ms}
 
 
-def run_head(engine, prompts, new_tokens, params, expansion, max_nodes) -> dict:
-    """The verifier drafting its own trees: the head's ``expansion``, then model-free
-    drafts, within ``max_nodes``."""
-    engine.config.head_expansion = tuple(expansion)
+def prefix_acceptance(runs, cuts: list[int]) -> dict[int, float]:
+    """Accepted tokens per step over each answer's first ``cut`` tokens (the steps that
+    began before token ``cut``), pooled over ``runs``."""
+    out = {}
+    for cut in cuts:
+        tokens = steps = 0
+        for r in runs:
+            done = 0
+            for a in r.accepted_per_step:
+                if done >= cut:
+                    break
+                tokens, steps, done = tokens + a, steps + 1, done + a
+        out[cut] = tokens / max(1, steps)
+    return out
+
+
+def repeated_ngrams(prompt: list[int], answer: list[int], n: int = 4) -> tuple[int, int]:
+    """(answer n-grams seen earlier in prompt + answer, answer n-grams)."""
+    ids, seen, repeated = prompt + answer, set(), 0
+    for i in range(len(ids) - n + 1):
+        gram = tuple(ids[i : i + n])
+        if i + n > len(prompt):
+            repeated += gram in seen
+        seen.add(gram)
+    return repeated, max(0, len(ids) - n + 1 - max(0, len(prompt) - n + 1))
+
+
+def length_profile(engine, prompts, cuts: list[int], configs) -> list[dict]:
+    """Per config (name, node budget, sampling, whether the engine's draft head drafts,
+    with its default tree): accepted/step by answer prefix, answer lengths, repeated 4-gram
+    share."""
+    rows = []
+    default = EngineConfig()
+    engine.config.head_expansion = default.head_expansion
+    engine.config.head_dynamic = default.head_dynamic
+    for name, budget, params, head in configs:
+        runs = [generate_local(engine, [p], max(cuts), params=params, draft_nodes=budget,
+                               draft_head=head)[0] for p in prompts]
+        rep = [repeated_ngrams(p, r.token_ids) for p, r in zip(prompts, runs, strict=True)]
+        rows.append({"config": name, "by_prefix": prefix_acceptance(runs, cuts),
+                     "answer_tokens": [len(r.token_ids) for r in runs],
+                     "repeated_4grams": sum(a for a, _ in rep) / max(1, sum(b for _, b in rep))})
+    return rows
+
+
+def run_head(engine, prompts, new_tokens, params, expansion, max_nodes, dynamic) -> dict:
+    """The verifier drafting its own trees: the head's tree (``dynamic``, else the static
+    ``expansion``; at most the engine's ``head_nodes``), then model-free drafts, within
+    ``max_nodes``."""
+    engine.config.head_expansion, engine.config.head_dynamic = tuple(expansion), dynamic
     return summarize([generate_local(engine, [p], new_tokens, params=params,
                                      draft_nodes=max_nodes, draft_head=True)[0]
                       for p in prompts])
@@ -121,12 +170,14 @@ def main() -> None:
                     help="SSM refs (default: bundled pool; none given: no SSM configs)")
     ap.add_argument("--prompts", type=int, default=8, help="MT-Bench first turns (<= 80)")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--lengths", default="64,128,256,512",
+                    help="answer prefixes for the length profile ('' for none)")
     ap.add_argument("--head", default=None, help="draft head dir (default: bundled), or none")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens, fewer configs")
     ap.add_argument("--out", default="bench/results/speculator")
     args = ap.parse_args()
     if args.quick:
-        args.prompts, args.new_tokens = 4, 32
+        args.prompts, args.new_tokens, args.lengths = 4, 32, ""
     refs = args.pool if args.pool is not None else default_pool(args.llm)
     tokenizer = load_tokenizer(args.llm)
     turns = mtbench_first_turns()
@@ -166,19 +217,23 @@ def main() -> None:
                 configs.append((f"pool+ngram {name}", drafters, True, None, greedy, shape, 64))
         configs.append(("pool+ngram dynamic-32", drafters, True, None, greedy, default, 64))
 
-    # (name, head expansion, node budget, sampling): the verifier's own trees
+    # (name, static expansion, node budget, sampling, dynamic): the verifier's own trees,
+    # the head drafting at most EngineConfig.head_nodes of them
     head_configs = []
     if engine.head is not None:
-        head_configs = [("head chain-4", [1, 1, 1, 1], 4, greedy),
-                        ("head [2,1,1,1] + ngram+datastore, 16 nodes (default)", [2, 1, 1, 1],
-                         16, greedy),
-                        ("head [2,1,1,1] + ngram+datastore, 16 nodes T=0.7", [2, 1, 1, 1],
-                         16, stoch)]
+        static = list(EngineConfig().head_expansion)
+        head_configs = [("head chain-4", [1, 1, 1, 1], 4, greedy, False),
+                        ("head dynamic + ngram+datastore, 16 nodes (default)", static, 16,
+                         greedy, True),
+                        (f"head {static} + ngram+datastore, 16 nodes T=0.7 (default)", static,
+                         16, stoch, False)]
         if not args.quick:
-            head_configs += [("head chain-4 + ngram+datastore, 16 nodes", [1, 1, 1, 1], 16,
-                              greedy),
-                             ("head [2,1,1,1] + ngram+datastore, 8 nodes", [2, 1, 1, 1], 8,
-                              greedy)]
+            head_configs += [(f"head static {static} + ngram+datastore, 16 nodes", static, 16,
+                              greedy, False),
+                             ("head chain-4 + ngram+datastore, 16 nodes", [1, 1, 1, 1], 16,
+                              greedy, False),
+                             ("head dynamic + ngram+datastore, 8 nodes", static, 8, greedy,
+                              True)]
 
     results = {"llm": args.llm, "pool": refs, "head": str(head) if head else None,
                "prompts": len(prompts), "new_tokens": args.new_tokens, "configs": []}
@@ -207,18 +262,32 @@ def main() -> None:
         results["configs"].append(r)
         print(f"{name:<48} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
               f"{r['tokens_per_s'] / plain_tps:>9.2f}")
-    for name, shape, budget, params in head_configs:
-        r = run_head(engine, prompts, args.new_tokens, params, shape, budget)
+    for name, shape, budget, params, dynamic in head_configs:
+        r = run_head(engine, prompts, args.new_tokens, params, shape, budget, dynamic)
         r.update(config=name, expansion=shape)
         results["configs"].append(r)
         print(f"{name:<48} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
               f"{r['tokens_per_s'] / plain_tps:>9.2f}")
     results["plain_tokens_per_s"] = plain_tps
+    cuts = sorted(int(x) for x in args.lengths.split(",") if x.strip())
+    if cuts:
+        profile = [("ngram+datastore, 6 nodes", 6, greedy, False)]
+        if engine.head is not None:
+            profile += [("head (default tree) + ngram+datastore, 16 nodes", 16, greedy, True),
+                        ("same, T=0.7", 16, stoch, True)]
+        results["length_profile"] = length_profile(engine, prompts, cuts, profile)
+        print(f"\naccepted/step over the answers' first N tokens (answers up to {cuts[-1]})")
+        print(f"{'config':<48} " + " ".join(f"{c:>6}" for c in cuts) + "  repeated 4-grams")
+        for row in results["length_profile"]:
+            print(f"{row['config']:<48} " + " ".join(f"{row['by_prefix'][c]:>6.2f}" for c in cuts)
+                  + f"  {row['repeated_4grams']:>16.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "speculator.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "speculator.png")
-    print(f"wrote {out}/speculator.json and speculator.png")
+    if results.get("length_profile"):
+        plot_lengths(results, out / "speculator-lengths.png")
+    print(f"wrote {out}/speculator.json and its plots")
 
 
 def plot(results: dict, path: Path) -> None:
@@ -236,6 +305,26 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title(f"MT-Bench first turns ({results['prompts']} prompts, "
                  f"{results['new_tokens']} new tokens)")
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_lengths(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in results["length_profile"]:
+        cuts = sorted(int(c) for c in row["by_prefix"])
+        ax.plot(cuts, [row["by_prefix"][c] for c in cuts], marker="o",
+                label=f"{row['config']} (repeated 4-grams {row['repeated_4grams']:.0%})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("answer prefix (tokens)")
+    ax.set_ylabel("mean accepted tokens per LLM step")
+    ax.set_title(f"MT-Bench first turns ({results['prompts']} prompts): by answer length")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -37,11 +37,16 @@ def _add_verifier_args(p: argparse.ArgumentParser) -> None:
                    help="a draft head on the LLM's features (specinfer train-head): auto (the "
                         "bundled one for the LLM, if any, with --tp 1 --pp 1), none, or a "
                         "directory")
+    p.add_argument("--head-tree", choices=("dynamic", "static"), default="dynamic",
+                   help="the draft head's tree for greedy sequences: dynamic (its most "
+                        "probable paths, EAGLE-2 style) or static (--head-expansion); "
+                        "sampled sequences always get the static one")
     p.add_argument("--head-expansion", default="2,1,1,1",
                    help="the draft head's static tree: children per level (default: 2 "
                         "candidates, each continued by a chain of 3)")
-    p.add_argument("--head-dynamic", action="store_true",
-                   help="the draft head grows dynamic trees (greedy sequences)")
+    p.add_argument("--head-nodes", type=int, default=8,
+                   help="the most nodes of a step's tree the draft head drafts; model-free "
+                        "drafts fill the rest of the step's budget")
 
 
 def serve_verifier(args: argparse.Namespace) -> int:
@@ -50,9 +55,13 @@ def serve_verifier(args: argparse.Namespace) -> int:
     from services.verifier.server import serve
 
     expansion = tuple(_expansion(args.head_expansion, "--head-expansion"))
+    if not 1 <= args.head_nodes <= args.max_tree_nodes:
+        raise ModelError(f"--head-nodes must be in 1..--max-tree-nodes "
+                         f"({args.max_tree_nodes}); got {args.head_nodes}")
     config = EngineConfig(max_context=args.max_context, slots=args.slots,
                           max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
-                          head_expansion=expansion, head_dynamic=args.head_dynamic)
+                          head_expansion=expansion, head_dynamic=args.head_tree == "dynamic",
+                          head_nodes=args.head_nodes)
     head = _draft_head(args.draft_head, args.llm, args.tp * args.pp > 1)
 
     def build():

@@ -128,6 +128,34 @@ def test_verification_with_head_drafts_is_exact(head_engine):
     assert all(len(r.token_ids) == 30 for r in sampled)
 
 
+def test_the_head_drafts_its_share_dynamic_for_greedy_static_for_sampled(head_engine):
+    """The head's tree takes at most ``head_nodes`` of a step's budget: for a greedy
+    sequence the most probable paths (dynamic), for a sampled one the static expansion."""
+    cfg = head_engine.config
+    saved = (cfg.head_nodes, cfg.head_dynamic)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    head_engine.prefill([PrefillSpec("g", prompt),
+                         PrefillSpec("t", prompt, SamplingParams(temperature=0.8, seed=1))])
+    try:
+        seqs = [head_engine.sequences["g"], head_engine.sequences["t"]]
+        cfg.head_nodes, cfg.head_dynamic = 5, True
+        greedy, sampled = head_engine._head_trees(seqs, [16, 16], [True, True]).values()
+        drafter = head_engine.head
+        want = drafter.propose([DraftRequest("x", seqs[0].tokens, [2, 1, 1], dynamic=True,
+                                             max_nodes=5,
+                                             features=seqs[0].features[: seqs[0].cached])])[0]
+        assert greedy.paths() == want.paths() and len(greedy) == 5
+        assert len(sampled) <= 5 and len(sampled.children(-1)) <= 2
+        assert max(sampled.depths) <= 3
+        cfg.head_dynamic = False
+        static = head_engine._head_trees(seqs[:1], [16], [True])[0]
+        assert sorted(static.depths) == [1, 1, 2, 2, 3]  # (2, 1, 1) cut to 5 nodes
+    finally:
+        cfg.head_nodes, cfg.head_dynamic = saved
+        head_engine.release(["g", "t"])
+        head_engine.head.forget("x")
+
+
 def test_asking_a_verifier_without_a_head_for_its_drafts_fails(tiny_llama):
     engine = build_engine(tiny_llama, EngineConfig(max_context=64, slots=1))
     engine.prefill([PrefillSpec("s", [1, 2, 3])])

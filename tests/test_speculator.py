@@ -120,3 +120,16 @@ def test_expansion_flags_are_checked_and_name_the_flag():
                             ("-1", "--expansion", 0)]:
         with pytest.raises(ModelError, match=flag):
             _expansion(text, flag, min_width=low)
+
+
+def test_benchmark_length_profile_counts_steps_begun_before_the_cut():
+    from types import SimpleNamespace
+
+    from bench.speculator import prefix_acceptance, repeated_ngrams
+
+    runs = [SimpleNamespace(accepted_per_step=[1, 3, 2, 4]),  # 1, 4, 6, 10 tokens done
+            SimpleNamespace(accepted_per_step=[2, 2])]
+    # cut 4: steps 1-2 of run 1 (4 tokens), both of run 2 (4 tokens) -> 8 / 4
+    assert prefix_acceptance(runs, [4, 5, 100]) == {4: 2.0, 5: 10 / 5, 100: 14 / 6}
+    # answer 4-grams (3,4,1,2) new, (4,1,2,3) new, (1,2,3,4) seen in the prompt
+    assert repeated_ngrams([1, 2, 3, 4, 1], [2, 3, 4]) == (1, 3)

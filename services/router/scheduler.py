@@ -112,10 +112,9 @@ TREE_OVERLAP = SpeculationMode("tree-overlap", overlap=True)
 # (corpus datastore, prompt lookup) cost almost nothing to make, so small trees of them can
 # pay where SSM trees do not (a CPU verifier, a large batch); which mode wins is measured.
 LOOKUP = SpeculationMode("lookup-2", max_nodes=2, in_verifier=True)
-# The verifier's draft head: its tree (the verifier's --head-expansion) and model-free
-# drafts, in one tree of up to 16 nodes (bench/speculator.py, MT-Bench: 2.07 accepted
-# tokens per step greedy; 8 nodes accept fewer and, on a 2-core CPU, ran no faster); no
-# Speculate call either.
+# The verifier's draft head: its tree (the verifier's --head-tree, at most --head-nodes)
+# and model-free drafts, in one tree of up to 16 nodes (bench/speculator.py measures it;
+# 8 nodes accept fewer and, on a 2-core CPU, ran no faster); no Speculate call either.
 HEAD = SpeculationMode("head", max_nodes=16, in_verifier=True, head=True)
 ADAPTIVE_MODES = (
     LOOKUP,

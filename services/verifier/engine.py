@@ -41,10 +41,13 @@ class EngineConfig:
     slots: int = 8  # sequences (live or kept for a session) held at once
     max_tree_nodes: int = 64
     prefill_chunk: int = 256
-    # The draft head's tree (``VerifyItem.draft_head``): a static expansion, or dynamic
-    # (EAGLE-2 style, greedy sequences) within the item's node budget.
+    # The draft head's tree (``VerifyItem.draft_head``): dynamic (EAGLE-2 style: the most
+    # probable paths) for greedy sequences, the static expansion for sampled ones and with
+    # ``head_dynamic`` off; at most ``head_nodes`` of the item's node budget, so the
+    # model-free drafts keep the rest (they accept whole repeats the head rarely drafts).
     head_expansion: tuple[int, ...] = (2, 1, 1, 1)
-    head_dynamic: bool = False
+    head_dynamic: bool = True
+    head_nodes: int = 8
 
 
 @dataclass
@@ -333,7 +336,8 @@ class VerifierEngine:
         cfg = self.config
         requests = [DraftRequest(seqs[i].id, seqs[i].tokens, list(cfg.head_expansion),
                                  seqs[i].params, seqs[i].generator, cfg.head_dynamic,
-                                 budgets[i], seqs[i].features[: seqs[i].cached])
+                                 min(budgets[i], cfg.head_nodes),
+                                 seqs[i].features[: seqs[i].cached])
                     for i in rows]
         return dict(zip(rows, self.head.propose(requests), strict=True))
 
