@@ -249,8 +249,8 @@ def main() -> None:
     plain = run(engine, SpeculatorEngine([], vocab, ngram=False), prompts, args.new_tokens,
                 greedy, [0])
     plain_tps = plain["tokens_per_s"]
-    print(f"\n{'config':<48} {'acc/step':>9} {'tok/s':>7} {'vs plain':>9}")
-    print(f"{'no speculation':<48} {1.0:>9.2f} {plain_tps:>7.1f} {1.0:>9.2f}")
+    print(f"\n{'config':<62} {'acc/step':>9} {'tok/s':>7} {'vs plain':>9}")
+    print(f"{'no speculation':<62} {1.0:>9.2f} {plain_tps:>7.1f} {1.0:>9.2f}")
     for name, pool, ngram, datastore, params, shape, budget in configs:
         spec = SpeculatorEngine(pool, vocab, ngram=ngram, expansion=shape, max_nodes=64,
                                 datastore=datastore)
@@ -260,13 +260,13 @@ def main() -> None:
                 dynamic=name.endswith("dynamic-32"), max_nodes=budget)
         r.update(config=name, expansion=shape)
         results["configs"].append(r)
-        print(f"{name:<48} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
+        print(f"{name:<62} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
               f"{r['tokens_per_s'] / plain_tps:>9.2f}")
     for name, shape, budget, params, dynamic in head_configs:
         r = run_head(engine, prompts, args.new_tokens, params, shape, budget, dynamic)
         r.update(config=name, expansion=shape)
         results["configs"].append(r)
-        print(f"{name:<48} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
+        print(f"{name:<62} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
               f"{r['tokens_per_s'] / plain_tps:>9.2f}")
     results["plain_tokens_per_s"] = plain_tps
     cuts = sorted(int(x) for x in args.lengths.split(",") if x.strip())
@@ -277,9 +277,9 @@ def main() -> None:
                         ("same, T=0.7", 16, stoch, True)]
         results["length_profile"] = length_profile(engine, prompts, cuts, profile)
         print(f"\naccepted/step over the answers' first N tokens (answers up to {cuts[-1]})")
-        print(f"{'config':<48} " + " ".join(f"{c:>6}" for c in cuts) + "  repeated 4-grams")
+        print(f"{'config':<62} " + " ".join(f"{c:>6}" for c in cuts) + "  repeated 4-grams")
         for row in results["length_profile"]:
-            print(f"{row['config']:<48} " + " ".join(f"{row['by_prefix'][c]:>6.2f}" for c in cuts)
+            print(f"{row['config']:<62} " + " ".join(f"{row['by_prefix'][c]:>6.2f}" for c in cuts)
                   + f"  {row['repeated_4grams']:>16.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

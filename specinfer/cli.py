@@ -361,6 +361,9 @@ def _add_head_args(p: argparse.ArgumentParser) -> None:
                         "positions (0: none)")
     p.add_argument("--levels", type=int, default=d.levels,
                    help="draft levels trained (deeper ones read the head's own features)")
+    p.add_argument("--init", default=None,
+                   help="continue training a head (a train-head output's head/ directory; "
+                        "its vocabulary is kept)")
 
 
 def train_head(args: argparse.Namespace) -> int:
@@ -372,7 +375,8 @@ def train_head(args: argparse.Namespace) -> int:
     report = train_head_pipeline(HeadConfig(data=Path(args.data), out=Path(args.out),
                                             llm=args.llm, epochs=args.epochs, lr=args.lr,
                                             conversation_positions=args.conversation_positions,
-                                            levels=args.levels))
+                                            levels=args.levels,
+                                            init=Path(args.init) if args.init else None))
     print(json.dumps(report, indent=2))
     return 0
 

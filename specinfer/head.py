@@ -248,6 +248,7 @@ class HeadConfig:
     # positions (0: none).
     conversation_positions: int = 1_200_000
     max_seq: int = 512  # conversations are cut to this many tokens
+    init: Path | None = None  # continue training this head (its vocabulary is kept)
 
 
 @torch.inference_mode()
@@ -409,13 +410,17 @@ def train_head_pipeline(cfg: HeadConfig) -> dict:
         raise ModelError(f"--data {str(cfg.data)!r}: no LLM answers there (data/train-*.pt "
                          "and data/heldout-*.pt, written by `specinfer boost-tune "
                          "--max-minutes M`)")
-    if not (cfg.data / "ssm-1").exists():
+    if cfg.init is not None and not (cfg.init / HEAD_MANIFEST).exists():
+        raise ModelError(f"--init {str(cfg.init)!r}: no {HEAD_MANIFEST} there (a "
+                         "`specinfer train-head` output's head/ directory)")
+    if cfg.init is None and not (cfg.data / "ssm-1").exists():
         raise ModelError(f"--data {str(cfg.data)!r}: no trained ssm-1 whose vocabulary the "
                          "head shares")
     llm_ref = cfg.llm or json.loads((cfg.data / "report.json").read_text())["llm"]
     torch.manual_seed(cfg.seed)
     llm = load_model(llm_ref)
-    vocab_ids = pool_vocab(cfg.data)
+    head = load_head(cfg.init, llm) if cfg.init else DraftHead(llm, pool_vocab(cfg.data))
+    vocab_ids = head.vocab_ids
 
     def answers(path: Path) -> tuple[str, Callable[[], list[dict]]]:
         return path.stem, lambda: [answer_example(s) for s in torch.load(path)]
@@ -433,13 +438,14 @@ def train_head_pipeline(cfg: HeadConfig) -> dict:
         train += _examples(llm, sources, cache, "LLM features (conversations)",
                            cfg.conversation_positions)
     held = _examples(llm, [answers(p) for p in held_chunks], cache, "LLM features (held-out)")
-    head = DraftHead(llm, vocab_ids)
-    untrained = head_match(head, held)
+    before = head_match(head, held)
     train_head(head, train, cfg)
     report = {"llm": llm_ref, "vocab": len(vocab_ids), "epochs": cfg.epochs, "lr": cfg.lr,
+              "init": str(cfg.init) if cfg.init else None,
               "levels": cfg.levels, "train_sequences": len(train),
               "train_positions": sum(len(e["pos"]) for e in train),
-              "heldout_match": head_match(head, held), "untrained_match": untrained,
+              "heldout_match": head_match(head, held),
+              "init_match" if cfg.init else "untrained_match": before,
               "conversation_positions": cfg.conversation_positions,
               "data": f"the LLM's greedy answers in {cfg.data}/data (boost-tune), then "
                       f"ShareGPT conversations teacher-forced ({cfg.data}/prompts.json's "

@@ -53,6 +53,17 @@ def test_boost_tuning_improves_the_pool_and_writes_loadable_ssms(tiny_chat_llm, 
         head_report["untrained_match"]["level1"] + 0.04, head_report
     head = load_head(tmp_path / "head" / "head", load_model(tiny_chat_llm))
     assert torch.equal(head.vocab_ids, vocab_ids.long())
+    # Continued training starts from that head: with a zero learning rate it stays it (up
+    # to float16 rounding); a fresh head would be back at the untrained rate.
+    again = train_head_pipeline(HeadConfig(data=tmp_path / "pool", out=tmp_path / "head2",
+                                           epochs=0.1, lr=0.0, conversation_positions=0,
+                                           init=tmp_path / "head" / "head"))
+    for level in ("level1", "level2"):
+        assert abs(again["init_match"][level] - head_report["heldout_match"][level]) < 0.02
+        assert abs(again["heldout_match"][level] - head_report["heldout_match"][level]) < 0.02
+    with pytest.raises(ValueError, match="--init"):
+        train_head_pipeline(HeadConfig(data=tmp_path / "pool", out=tmp_path / "head3",
+                                       init=tmp_path / "pool"))
 
     # Warm start: a new pool continues from this one's SSMs and vocabulary. With a zero
     # learning rate its SSMs match the LLM as the earlier ones did (up to int8 rounding);
