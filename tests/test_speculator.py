@@ -133,3 +133,11 @@ def test_benchmark_length_profile_counts_steps_begun_before_the_cut():
     assert prefix_acceptance(runs, [4, 5, 100]) == {4: 2.0, 5: 10 / 5, 100: 14 / 6}
     # answer 4-grams (3,4,1,2) new, (4,1,2,3) new, (1,2,3,4) seen in the prompt
     assert repeated_ngrams([1, 2, 3, 4, 1], [2, 3, 4]) == (1, 3)
+
+
+def test_verifier_refuses_a_head_share_outside_its_tree_budget(capsys):
+    from specinfer.cli import main
+
+    for value in ("0", "65"):  # --max-tree-nodes defaults to 64
+        assert main(["serve", "verifier", "--head-nodes", value]) == 2
+        assert "--head-nodes" in capsys.readouterr().err
