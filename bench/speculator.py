@@ -13,6 +13,7 @@ Prints tables, writes JSON and PNG plots.
 
     python bench/speculator.py [--pool DIR ...] [--head DIR|none] [--prompts 8]
                                [--new-tokens 64] [--lengths 64,128,256,512] [--quick]
+                               [--lengths-only]
 """
 
 from __future__ import annotations
@@ -172,6 +173,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--lengths", default="64,128,256,512",
                     help="answer prefixes for the length profile ('' for none)")
+    ap.add_argument("--lengths-only", action="store_true",
+                    help="only the length profile (e.g. with --prompts 80)")
     ap.add_argument("--head", default=None, help="draft head dir (default: bundled), or none")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens, fewer configs")
     ap.add_argument("--out", default="bench/results/speculator")
@@ -237,38 +240,39 @@ def main() -> None:
 
     results = {"llm": args.llm, "pool": refs, "head": str(head) if head else None,
                "prompts": len(prompts), "new_tokens": args.new_tokens, "configs": []}
-    costed = [(f"ssm-{i + 1}", d) for i, d in enumerate(drafters)]
-    if engine.head is not None:
-        costed.append(("head", engine.head))
-    results["draft_cost"] = []
-    for name, d in costed:
-        c = draft_cost(d, engine, prompts[0]) | {"drafter": name}
-        results["draft_cost"].append(c)
-        print(f"{name}: one draft level {c['ssm_level_ms']:.1f} ms vs LLM step "
-              f"{c['llm_step_ms']:.1f} ms = {c['ratio']:.3f}")
-    plain = run(engine, SpeculatorEngine([], vocab, ngram=False), prompts, args.new_tokens,
-                greedy, [0])
-    plain_tps = plain["tokens_per_s"]
-    print(f"\n{'config':<62} {'acc/step':>9} {'tok/s':>7} {'vs plain':>9}")
-    print(f"{'no speculation':<62} {1.0:>9.2f} {plain_tps:>7.1f} {1.0:>9.2f}")
-    for name, pool, ngram, datastore, params, shape, budget in configs:
-        spec = SpeculatorEngine(pool, vocab, ngram=ngram, expansion=shape, max_nodes=64,
-                                datastore=datastore)
-        for d in pool:
-            d.entries.clear()
-        r = run(engine, spec, prompts, args.new_tokens, params, shape,
-                dynamic=name.endswith("dynamic-32"), max_nodes=budget)
-        r.update(config=name, expansion=shape)
-        results["configs"].append(r)
-        print(f"{name:<62} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
-              f"{r['tokens_per_s'] / plain_tps:>9.2f}")
-    for name, shape, budget, params, dynamic in head_configs:
-        r = run_head(engine, prompts, args.new_tokens, params, shape, budget, dynamic)
-        r.update(config=name, expansion=shape)
-        results["configs"].append(r)
-        print(f"{name:<62} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
-              f"{r['tokens_per_s'] / plain_tps:>9.2f}")
-    results["plain_tokens_per_s"] = plain_tps
+    if not args.lengths_only:  # the main table
+        costed = [(f"ssm-{i + 1}", d) for i, d in enumerate(drafters)]
+        if engine.head is not None:
+            costed.append(("head", engine.head))
+        results["draft_cost"] = []
+        for name, d in costed:
+            c = draft_cost(d, engine, prompts[0]) | {"drafter": name}
+            results["draft_cost"].append(c)
+            print(f"{name}: one draft level {c['ssm_level_ms']:.1f} ms vs LLM step "
+                  f"{c['llm_step_ms']:.1f} ms = {c['ratio']:.3f}")
+        plain = run(engine, SpeculatorEngine([], vocab, ngram=False), prompts, args.new_tokens,
+                    greedy, [0])
+        plain_tps = plain["tokens_per_s"]
+        print(f"\n{'config':<62} {'acc/step':>9} {'tok/s':>7} {'vs plain':>9}")
+        print(f"{'no speculation':<62} {1.0:>9.2f} {plain_tps:>7.1f} {1.0:>9.2f}")
+        for name, pool, ngram, datastore, params, shape, budget in configs:
+            spec = SpeculatorEngine(pool, vocab, ngram=ngram, expansion=shape, max_nodes=64,
+                                    datastore=datastore)
+            for d in pool:
+                d.entries.clear()
+            r = run(engine, spec, prompts, args.new_tokens, params, shape,
+                    dynamic=name.endswith("dynamic-32"), max_nodes=budget)
+            r.update(config=name, expansion=shape)
+            results["configs"].append(r)
+            print(f"{name:<62} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
+                  f"{r['tokens_per_s'] / plain_tps:>9.2f}")
+        for name, shape, budget, params, dynamic in head_configs:
+            r = run_head(engine, prompts, args.new_tokens, params, shape, budget, dynamic)
+            r.update(config=name, expansion=shape)
+            results["configs"].append(r)
+            print(f"{name:<62} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
+                  f"{r['tokens_per_s'] / plain_tps:>9.2f}")
+        results["plain_tokens_per_s"] = plain_tps
     cuts = sorted(int(x) for x in args.lengths.split(",") if x.strip())
     if cuts:
         profile = [("ngram+datastore, 6 nodes", 6, greedy, False)]
@@ -284,7 +288,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "speculator.json").write_text(json.dumps(results, indent=2))
-    plot(results, out / "speculator.png")
+    if results["configs"]:
+        plot(results, out / "speculator.png")
     if results.get("length_profile"):
         plot_lengths(results, out / "speculator-lengths.png")
     print(f"wrote {out}/speculator.json and its plots")
