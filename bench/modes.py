@@ -23,8 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from run import _free_port, _wait, chat_ids  # noqa: E402
+from run import _free_port, _wait  # noqa: E402
 
+from specinfer.boost import chat_prompt_ids  # noqa: E402
 from specinfer.client import AsyncClient  # noqa: E402
 from specinfer.data import mtbench_first_turns  # noqa: E402
 from specinfer.models import DEFAULT_LLM, load_tokenizer  # noqa: E402
@@ -53,7 +54,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/modes.json")
     args = ap.parse_args()
     tok = load_tokenizer(DEFAULT_LLM)
-    prompts = [tok.decode(chat_ids(tok, p)) for _, p in mtbench_first_turns(1)]
+    prompts = [tok.decode(chat_prompt_ids(tok, p)) for _, p in mtbench_first_turns(1)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     stacks = {}
     try:

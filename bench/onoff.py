@@ -18,8 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from run import _free_port, _wait, chat_ids  # noqa: E402
+from run import _free_port, _wait  # noqa: E402
 
+from specinfer.boost import chat_prompt_ids  # noqa: E402
 from specinfer.client import Client  # noqa: E402
 from specinfer.data import mtbench_first_turns  # noqa: E402
 from specinfer.models import DEFAULT_LLM, load_tokenizer  # noqa: E402
@@ -32,7 +33,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
     tok = load_tokenizer(DEFAULT_LLM)
-    prompts = [tok.decode(chat_ids(tok, p)) for _, p in mtbench_first_turns(1)]
+    prompts = [tok.decode(chat_prompt_ids(tok, p)) for _, p in mtbench_first_turns(1)]
     port = _free_port()
     stack = subprocess.Popen([sys.executable, "-m", "specinfer", "up", "--port", str(port),
                               "--http-port", "0", "--speculation", args.speculation],

@@ -41,6 +41,7 @@ from services.speculator.engine import DEFAULT_EXPANSION, SpeculateSpec, Specula
 from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
+from specinfer.boost import chat_prompt_ids
 from specinfer.data import mtbench_first_turns
 from specinfer.datastore import sharegpt_datastore
 from specinfer.head import bundled_head
@@ -56,12 +57,6 @@ SHAPES = {"chain-3": [1] * 3, "chain-4": [1] * 4, "chain-6": [1] * 6, "paper": P
           "w2-d4": [2, 1, 1, 1], "w3-d4": [3, 2, 1, 1], "w2-d6": [2, 1, 1, 1, 1, 1],
           "w3-d5": [3, 1, 1, 1, 1], "w4-d4": [4, 2, 1, 1], "w5-d3": [5, 1, 1]}
 DYNAMIC_BUDGETS = (4, 8, 16, 32)  # node budgets of the dynamic tree in the sweep
-
-
-def chat_ids(tok, prompt: str) -> list[int]:
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                  add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def hf_assistant(llm, ssm, vocab_ids):
@@ -201,7 +196,7 @@ def main() -> None:
     out = Path(args.out or f"bench/results/{datetime.date.today().isoformat()}")
     out.mkdir(parents=True, exist_ok=True)
     b = Bench(args)
-    prompts = [(c, chat_ids(b.tok, p)) for c, p in mtbench_first_turns(args.per_category)]
+    prompts = [(c, chat_prompt_ids(b.tok, p)) for c, p in mtbench_first_turns(args.per_category)]
     print(f"{len(prompts)} MT-Bench prompts, {args.new_tokens} new tokens, pool {b.refs}")
 
     port, http = _free_port(), _free_port()

@@ -30,6 +30,7 @@ from services.speculator.engine import SpeculateSpec, SpeculatorEngine
 from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
+from specinfer.boost import chat_prompt_ids
 from specinfer.data import mtbench_first_turns
 from specinfer.datastore import sharegpt_datastore
 from specinfer.head import FeatureDrafter, bundled_head
@@ -51,12 +52,6 @@ SHAPES = {
     "w4": [4, 2, 1, 1, 1],
     "w5": [5, 1, 1, 1, 1],
 }
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                        add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def summarize(runs) -> dict:
@@ -185,7 +180,7 @@ def main() -> None:
     tokenizer = load_tokenizer(args.llm)
     turns = mtbench_first_turns()
     step = max(1, len(turns) // args.prompts)
-    prompts = [chat_ids(tokenizer, p) for _, p in turns[::step][: args.prompts]]
+    prompts = [chat_prompt_ids(tokenizer, p) for _, p in turns[::step][: args.prompts]]
     store = sharegpt_datastore(tokenizer)
     head = bundled_head(args.llm) if args.head is None else \
         (None if args.head == "none" else args.head)

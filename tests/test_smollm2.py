@@ -18,6 +18,7 @@ from conftest import decoy_tree
 from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
+from specinfer.boost import chat_prompt_ids
 from specinfer.data import mtbench_first_turns
 from specinfer.models import DEFAULT_LLM, load_tokenizer
 
@@ -28,12 +29,6 @@ NEW_TOKENS = 64
 @pytest.fixture(scope="module")
 def engine():
     return build_engine(DEFAULT_LLM, EngineConfig(max_context=1024, slots=2))
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                        add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def noisy_oracle(prompt: list[int], continuation: list[int], vocab: int, seed: int):
@@ -49,7 +44,7 @@ def noisy_oracle(prompt: list[int], continuation: list[int], vocab: int, seed: i
 def test_speculative_greedy_equals_generate_on_mtbench(engine):
     tokenizer = load_tokenizer(DEFAULT_LLM)
     hf = engine.executor.runtime.model
-    prompts = [chat_ids(tokenizer, p) for _, p in mtbench_first_turns(per_category=1)]
+    prompts = [chat_prompt_ids(tokenizer, p) for _, p in mtbench_first_turns(per_category=1)]
     assert len(prompts) == 8
     multi = 0
     for i, prompt in enumerate(prompts):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from servers import free_port, wait_serving
 
+from specinfer.boost import chat_prompt_ids
 from specinfer.client import Client
 from specinfer.data import mtbench_first_turns
 from specinfer.models import DEFAULT_LLM, load_model, load_tokenizer
@@ -45,9 +46,7 @@ def test_stack_greedy_equals_transformers_on_mtbench(up):
         for prompt in prompts:
             out = client.generate(messages=[{"role": "user", "content": prompt}],
                                   max_tokens=NEW)
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                          add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            ids = chat_prompt_ids(tok, prompt)
             with torch.no_grad():
                 ref = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
                                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
