@@ -23,12 +23,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from run import _free_port, _wait  # noqa: E402
+from run import _wait  # noqa: E402
 
-from specinfer.boost import chat_prompt_ids  # noqa: E402
+from specinfer.chat import chat_prompt_ids  # noqa: E402
 from specinfer.client import AsyncClient  # noqa: E402
 from specinfer.data import mtbench_first_turns  # noqa: E402
 from specinfer.models import DEFAULT_LLM, load_tokenizer  # noqa: E402
+from specinfer.net import free_port  # noqa: E402
 
 
 async def _load(addr: str, prompts: list[str], streams: int, new_tokens: int,
@@ -59,9 +60,9 @@ def main() -> None:
     stacks = {}
     try:
         for mode in args.modes.split(","):
-            port = _free_port()
+            port = free_port()
             stacks[mode] = (port, subprocess.Popen(
-                [sys.executable, "-m", "specinfer", "up", "--port", str(port),
+                [sys.executable, "-m", "services", "up", "--port", str(port),
                  "--http-port", "0", "--speculation", "adaptive" if mode == "off" else mode,
                  "--slots", str(max(8, args.streams))],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))

@@ -18,12 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from run import _free_port, _wait  # noqa: E402
+from run import _wait  # noqa: E402
 
-from specinfer.boost import chat_prompt_ids  # noqa: E402
+from specinfer.chat import chat_prompt_ids  # noqa: E402
 from specinfer.client import Client  # noqa: E402
 from specinfer.data import mtbench_first_turns  # noqa: E402
 from specinfer.models import DEFAULT_LLM, load_tokenizer  # noqa: E402
+from specinfer.net import free_port  # noqa: E402
 
 
 def main() -> None:
@@ -34,8 +35,8 @@ def main() -> None:
     args = ap.parse_args()
     tok = load_tokenizer(DEFAULT_LLM)
     prompts = [tok.decode(chat_prompt_ids(tok, p)) for _, p in mtbench_first_turns(1)]
-    port = _free_port()
-    stack = subprocess.Popen([sys.executable, "-m", "specinfer", "up", "--port", str(port),
+    port = free_port()
+    stack = subprocess.Popen([sys.executable, "-m", "services", "up", "--port", str(port),
                               "--http-port", "0", "--speculation", args.speculation],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -36,19 +36,20 @@ from pathlib import Path
 
 import torch
 
-from services.router.scheduler import HEAD
+from services.router.policy import HEAD
 from services.speculator.engine import DEFAULT_EXPANSION, SpeculateSpec, SpeculatorEngine
 from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
-from specinfer.boost import chat_prompt_ids
+from specinfer.chat import chat_prompt_ids
 from specinfer.data import mtbench_first_turns
-from specinfer.datastore import sharegpt_datastore
-from specinfer.head import bundled_head
-from specinfer.lookup import LookupDrafter
+from specinfer.drafting.datastore import sharegpt_datastore
+from specinfer.drafting.head import bundled_head
+from specinfer.drafting.model_free import ModelFreeDrafter
+from specinfer.drafting.ssm import SSMDrafter
 from specinfer.models import DEFAULT_LLM, default_pool, load_ssm, load_tokenizer
+from specinfer.net import free_port
 from specinfer.sampling import SamplingParams
-from specinfer.ssm import SSMDrafter
 
 GREEDY, STOCH = SamplingParams(), SamplingParams(temperature=0.7, seed=0)
 PAPER = [1, 1, 3, 1, 1, 1, 1, 1]
@@ -84,7 +85,7 @@ class Bench:
         # stack's "head" mode makes them; the speculator's sources are given per run.
         self.head = bundled_head(args.llm)
         self.engine = build_engine(args.llm, EngineConfig(max_context=2048, slots=4),
-                                   drafter=LookupDrafter(self.datastore),
+                                   drafter=ModelFreeDrafter(self.datastore),
                                    head=str(self.head) if self.head else None)
         self.llm = self.engine.executor.runtime.model
         self.refs = args.pool if args.pool is not None else default_pool(args.llm)
@@ -199,9 +200,9 @@ def main() -> None:
     prompts = [(c, chat_prompt_ids(b.tok, p)) for c, p in mtbench_first_turns(args.per_category)]
     print(f"{len(prompts)} MT-Bench prompts, {args.new_tokens} new tokens, pool {b.refs}")
 
-    port, http = _free_port(), _free_port()
+    port, http = free_port(), free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    stack = subprocess.Popen([sys.executable, "-m", "specinfer", "up", "--port", str(port),
+    stack = subprocess.Popen([sys.executable, "-m", "services", "up", "--port", str(port),
                               "--http-port", str(http), "--max-context", "2048",
                               *sum((["--ssm", r] for r in b.refs), [])], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -427,16 +428,8 @@ def _plot_shapes(rows: list[dict], out: Path, plt) -> str:
     return "![tree shapes](shapes.png)"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait(addr: str, proc: subprocess.Popen, timeout: float = 900) -> None:
-    from specinfer.stack import wait_serving
+    from services.stack import wait_serving
 
     if not wait_serving(addr, [proc], timeout):
         raise RuntimeError("the stack did not come up")

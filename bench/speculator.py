@@ -4,7 +4,7 @@ Mean accepted tokens per LLM step (bonus token included) for: each SSM alone, th
 pool, n-gram alone, the corpus datastore alone, the model-free pair (n-gram + datastore,
 the router's lookup modes), pool + n-gram (+ datastore); greedy and stochastic (T=0.7);
 and tree shapes (a sequence vs trees of width 2-5). Then the verifier's draft head on the
-LLM's features (``specinfer.head``), alone and with the model-free drafts (the router's
+LLM's features (``specinfer.drafting.head``), alone and with the model-free drafts (the router's
 "head" mode). Also each drafter's draft-step cost relative to an LLM step, and a length
 profile: accepted tokens per step over the first N tokens of answers up to
 ``max(--lengths)`` long, beside how much of those answers repeats itself (a small LLM's
@@ -30,14 +30,15 @@ from services.speculator.engine import SpeculateSpec, SpeculatorEngine
 from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
-from specinfer.boost import chat_prompt_ids
+from specinfer.chat import chat_prompt_ids
 from specinfer.data import mtbench_first_turns
-from specinfer.datastore import sharegpt_datastore
-from specinfer.head import FeatureDrafter, bundled_head
-from specinfer.lookup import LookupDrafter
+from specinfer.drafting import DraftRequest
+from specinfer.drafting.datastore import sharegpt_datastore
+from specinfer.drafting.head import FeatureDrafter, bundled_head
+from specinfer.drafting.model_free import ModelFreeDrafter
+from specinfer.drafting.ssm import SSMDrafter
 from specinfer.models import DEFAULT_LLM, default_pool, load_tokenizer
 from specinfer.sampling import SamplingParams
-from specinfer.ssm import DraftRequest, SSMDrafter
 
 SHAPES = {
     "chain-3": [1, 1, 1],
@@ -185,7 +186,7 @@ def main() -> None:
     head = bundled_head(args.llm) if args.head is None else \
         (None if args.head == "none" else args.head)
     engine = build_engine(args.llm, EngineConfig(max_context=2048, slots=4),
-                          drafter=LookupDrafter(store), head=str(head) if head else None)
+                          drafter=ModelFreeDrafter(store), head=str(head) if head else None)
     vocab = engine.vocab_size
     drafters = [SSMDrafter.load(ref, i, slots=4, llm_vocab_size=vocab)
                 for i, ref in enumerate(refs)]
@@ -218,7 +219,7 @@ def main() -> None:
     # (name, static expansion, node budget, sampling, dynamic): the verifier's own trees,
     # the head drafting at most EngineConfig.head_nodes of them
     head_configs = []
-    if engine.head is not None:
+    if engine.head_drafter is not None:
         static = list(EngineConfig().head_expansion)
         head_configs = [("head chain-4", [1, 1, 1, 1], 4, greedy, False),
                         ("head dynamic + ngram+datastore, 16 nodes (default)", static, 16,
@@ -237,8 +238,8 @@ def main() -> None:
                "prompts": len(prompts), "new_tokens": args.new_tokens, "configs": []}
     if not args.lengths_only:  # the main table
         costed = [(f"ssm-{i + 1}", d) for i, d in enumerate(drafters)]
-        if engine.head is not None:
-            costed.append(("head", engine.head))
+        if engine.head_drafter is not None:
+            costed.append(("head", engine.head_drafter))
         results["draft_cost"] = []
         for name, d in costed:
             c = draft_cost(d, engine, prompts[0]) | {"drafter": name}
@@ -271,7 +272,7 @@ def main() -> None:
     cuts = sorted(int(x) for x in args.lengths.split(",") if x.strip())
     if cuts:
         profile = [("ngram+datastore, 6 nodes", 6, greedy, False)]
-        if engine.head is not None:
+        if engine.head_drafter is not None:
             profile += [("head (default tree) + ngram+datastore, 16 nodes", 16, greedy, True),
                         ("same, T=0.7", 16, stoch, True)]
         results["length_profile"] = length_profile(engine, prompts, cuts, profile)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specinfer.grpc_server import CHANNEL_OPTIONS
+from specinfer.net import CHANNEL_OPTIONS
 from specinfer.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 

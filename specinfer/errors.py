@@ -1,7 +1,10 @@
-"""Errors the services raise for bad requests or exhausted capacity; each maps to one gRPC
-status code (``grpc_code``) and to an HTTP status in the router's OpenAI API."""
+"""Errors the services raise for bad requests, exhausted capacity or a service not ready;
+each maps to one gRPC status code (``grpc_code``) and to an HTTP status in the router's
+OpenAI API. Also the one check every service makes of client token ids."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import grpc
 
@@ -30,3 +33,21 @@ class ResourceExhausted(ServiceError):
 class OutOfRange(ServiceError):
     grpc_code = grpc.StatusCode.OUT_OF_RANGE
     http_status = 400
+
+
+class Unavailable(ServiceError):
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+
+
+class DeadlineExceeded(ServiceError):
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504
+
+
+def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    """Every id in ``[0, vocab_size)``; the error names the first bad one (``field[j]``)."""
+    for j, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidArgument(f"{field}[{j}]", f"token id {t} outside the vocabulary "
+                                  f"[0, {vocab_size})")

@@ -13,15 +13,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specinfer.errors import ServiceError
+from specinfer.net import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-CHANNEL_OPTIONS = SERVER_OPTIONS
+SERVER_OPTIONS = CHANNEL_OPTIONS
 
 
 async def abort_on_error(context: grpc.aio.ServicerContext, exc: Exception) -> None:

@@ -111,31 +111,33 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaRuntime:
-    """Runs layers ``[first_layer, last_layer)`` of a transformers Llama-family model.
+    """Runs layers ``[first_layer, last_layer)`` of a Llama-family model.
 
     A full model is one stage; pipeline parallel gives each stage a contiguous layer range.
     Stage 0 embeds tokens; the last stage applies the final norm and the vocabulary head.
+    The parts are a transformers model's modules (``from_model``) or any modules of the
+    same kinds (a draft head's one layer over the LLM's embedding, norm and rotary table).
     """
 
-    def __init__(self, model, slots: int, slot_len: int,
-                 first_layer: int = 0, last_layer: int | None = None,
-                 onednn: bool = True) -> None:
-        self.model = model
-        cfg = model.config
-        self.config = cfg
-        self.body = model.model
-        self.num_layers = cfg.num_hidden_layers
+    def __init__(self, config, layers: list[torch.nn.Module], embed_tokens: torch.nn.Module,
+                 rotary_emb: torch.nn.Module, norm: torch.nn.Module, lm_head: torch.nn.Module,
+                 slots: int, slot_len: int, first_layer: int = 0,
+                 last_layer: int | None = None, onednn: bool = True) -> None:
+        self.config = config
+        self.embed_tokens, self.rotary_emb, self.norm = embed_tokens, rotary_emb, norm
+        self.lm_head = lm_head
+        self.num_layers = config.num_hidden_layers
         self.first_layer = first_layer
         self.last_layer = self.num_layers if last_layer is None else last_layer
-        layers = list(self.body.layers)
-        if len(layers) == cfg.num_hidden_layers:  # a full model: take this stage's range
+        if len(layers) == config.num_hidden_layers:  # a full model: take this stage's range
             layers = layers[first_layer : self.last_layer]
         elif len(layers) != self.last_layer - first_layer:
             raise ValueError("the model holds neither all layers nor exactly this stage's")
         self.layers = layers
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.vocab_size = cfg.vocab_size
-        self.dtype = next(model.parameters()).dtype
+        self.head_dim = getattr(config, "head_dim", None) or \
+            config.hidden_size // config.num_attention_heads
+        self.vocab_size = config.vocab_size
+        self.dtype = embed_tokens.weight.dtype
         # Local KV heads (fewer under tensor parallel): read off the k projection's shape.
         k_weight = self.layers[0].self_attn.k_proj.weight
         k_weight = k_weight() if callable(k_weight) else k_weight  # fbgemm modules: a method
@@ -145,8 +147,21 @@ class LlamaRuntime:
         linears = [m for layer in self.layers for m in layer.modules()
                    if isinstance(m, torch.nn.Linear)]
         if self.is_last:
-            linears.append(model.lm_head)
+            linears.append(lm_head)
         self.gemm = Gemm(linears, onednn)
+        self.model: torch.nn.Module | None = None  # the transformers model, with from_model
+
+    @classmethod
+    def from_model(cls, model, slots: int, slot_len: int, first_layer: int = 0,
+                   last_layer: int | None = None, onednn: bool = True) -> LlamaRuntime:
+        """The runtime over a loaded transformers model (its own modules, so DeepSpeed
+        AutoTP's sharded linears drop in)."""
+        body = model.model
+        runtime = cls(model.config, list(body.layers), body.embed_tokens, body.rotary_emb,
+                      body.norm, model.lm_head, slots, slot_len, first_layer, last_layer,
+                      onednn)
+        runtime.model = model
+        return runtime
 
     @property
     def is_first(self) -> bool:
@@ -157,7 +172,7 @@ class LlamaRuntime:
         return self.last_layer == self.num_layers
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.body.embed_tokens(tokens)
+        return self.embed_tokens(tokens)
 
     @torch.inference_mode()
     def layers_forward(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -168,7 +183,7 @@ class LlamaRuntime:
         ``visible [B, Q, K]`` bool, or None when every query sees every key up to its own
         position (a single row decoding one token)."""
         b, q, _ = hidden.shape
-        cos, sin = self.body.rotary_emb(hidden, positions)
+        cos, sin = self.rotary_emb(hidden, positions)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, Q, 1, D]
         write_pos = offsets if offsets.dim() == 2 else offsets[:, None] + torch.arange(q)[None, :]
         write_slot = slots[:, None].expand(b, q)
@@ -212,11 +227,11 @@ class LlamaRuntime:
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last layer's output, normed: the vocabulary head's input (the features a
         draft head reads)."""
-        return self.body.norm(hidden)
+        return self.norm(hidden)
 
     @torch.inference_mode()
     def head(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.gemm(self.model.lm_head, normed).float()
+        return self.gemm(self.lm_head, normed).float()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self.final_norm(hidden))

@@ -56,17 +56,6 @@ class SamplingParams:
             g.manual_seed(self.seed % 2**63)
         return g
 
-    @classmethod
-    def from_proto(cls, msg) -> SamplingParams:  # msg: specinfer.v1.SamplingParams
-        return cls(
-            temperature=msg.temperature,
-            top_k=msg.top_k,
-            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-            min_p=msg.min_p,
-            seed=msg.seed if msg.HasField("seed") else None,
-            logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        )
-
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Distribution to sample from, ``[..., V]`` float32. Greedy requests get a one-hot on

@@ -144,6 +144,26 @@ class TokenTree:
         return anc
 
 
+def accepted_depth(tokens: Sequence[int], parents: Sequence[int],
+                   emitted: Sequence[int]) -> tuple[int, bool]:
+    """How many nodes of a tree (flat ``tokens``/``parents``) the ``emitted`` tokens follow
+    from the root, and whether that is settled (a mismatch or a leaf reached, not the end
+    of what was emitted so far). This is what a step verifying the tree would have
+    accepted: exactly for greedy steps; for sampled ones the same event in distribution,
+    since a one-hot draft is accepted exactly when the LLM's sample is its token."""
+    node, depth = ROOT, 0
+    while True:
+        children = [j for j, p in enumerate(parents) if p == node]
+        if not children:
+            return depth, True
+        if depth == len(emitted):
+            return depth, False
+        node = next((j for j in children if tokens[j] == emitted[depth]), None)
+        if node is None:
+            return depth, True
+        depth += 1
+
+
 def merge_trees(trees: Sequence[TokenTree], max_nodes: int | None = None) -> TokenTree:
     """The tree holding exactly the union of the trees' paths; drafts of equal paths are
     concatenated in the order of ``trees``. With ``max_nodes``, nodes are taken in that

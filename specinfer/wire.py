@@ -2,17 +2,37 @@
 
 from __future__ import annotations
 
+from specinfer.errors import InvalidArgument
 from specinfer.sampling import SamplingParams, TokenLogprob
 from specinfer.tree import Draft, TokenTree
 from specinfer.v1 import common_pb2
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, field: str) -> SamplingParams:
-    """Validated sampling parameters; the error names ``field`` (e.g. ``items[2].sampling``)."""
+    """Validated sampling parameters; the error names ``field`` (e.g. ``items[2].sampling``)
+    and, in its message, the bad field in it."""
     try:
-        return SamplingParams.from_proto(msg)
+        return SamplingParams(
+            temperature=msg.temperature,
+            top_k=msg.top_k,
+            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+            min_p=msg.min_p,
+            seed=msg.seed if msg.HasField("seed") else None,
+            logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        )
     except ValueError as exc:
-        raise ValueError(f"{field}.{exc}") from exc
+        raise InvalidArgument(field, str(exc)) from exc
+
+
+def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, min_p=p.min_p)
+    if p.top_p != 1.0:
+        msg.top_p = p.top_p
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
 
 
 def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:

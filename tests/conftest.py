@@ -11,22 +11,25 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def save_tiny_llama(path, seed: int = 0, layers: int = 4, vocab: int = 128) -> str:
+def _save_random_llama(path, seed: int, scale: float, **config) -> None:
+    """A random Llama with its matrices scaled up, so that argmaxes are well separated."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=None, bos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg)
-    # Larger weights than the default init so that argmaxes are well separated.
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         tie_word_embeddings=False, **config))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                p.mul_(2.0)
+                p.mul_(scale)
     model.save_pretrained(path)
+
+
+def save_tiny_llama(path, seed: int = 0, layers: int = 4, vocab: int = 128) -> str:
+    _save_random_llama(path, seed, 2.0, vocab_size=vocab, num_hidden_layers=layers,
+                       max_position_embeddings=512, eos_token_id=None, bos_token_id=0,
+                       pad_token_id=0)
     return str(path)
 
 
@@ -38,21 +41,11 @@ def tiny_llama(tmp_path_factory) -> str:
 def save_tiny_chat_llm(path, seed: int = 0, layers: int = 2) -> str:
     """A tiny random Llama over SmolLM2's real tokenizer and chat template (vocab 49152,
     hidden 64), for tests that need text in and text out."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from specinfer.models import DEFAULT_LLM, load_tokenizer
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, eos_token_id=2, bos_token_id=1,
-                      pad_token_id=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    model.save_pretrained(path)
+    _save_random_llama(path, seed, 3.0, vocab_size=49152, num_hidden_layers=layers,
+                       max_position_embeddings=1024, eos_token_id=2, bos_token_id=1,
+                       pad_token_id=2)
     load_tokenizer(DEFAULT_LLM).save_pretrained(path)
     return str(path)
 
@@ -66,7 +59,7 @@ def tiny_chat_llm(tmp_path_factory) -> str:
 def smollm2_datastore() -> None:
     """Build (or find cached) the speculator's ShareGPT datastore for SmolLM2's tokenizer
     before any stack starts, so no speculator spends its start-up building it."""
-    from specinfer.datastore import sharegpt_datastore
+    from specinfer.drafting.datastore import sharegpt_datastore
     from specinfer.models import DEFAULT_LLM, load_tokenizer
 
     sharegpt_datastore(load_tokenizer(DEFAULT_LLM))

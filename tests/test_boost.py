@@ -11,11 +11,13 @@ import shutil
 import pytest
 import torch
 
-from specinfer.boost import BoostConfig, boost_tune, select_prompts
 from specinfer.data import mtbench_questions
-from specinfer.head import HeadConfig, load_head, train_head_pipeline
+from specinfer.drafting import DraftRequest
+from specinfer.drafting.head import load_head
+from specinfer.drafting.ssm import SSMDrafter
 from specinfer.models import load_model, load_ssm
-from specinfer.ssm import DraftRequest, SSMDrafter
+from specinfer.training.boost import BoostConfig, boost_tune, select_prompts
+from specinfer.training.head import HeadConfig, train_head_pipeline
 
 
 def test_prompts_exclude_mtbench(tmp_path):
@@ -85,7 +87,7 @@ def test_boost_tuning_improves_the_pool_and_writes_loadable_ssms(tiny_chat_llm, 
 def test_warm_start_cuts_a_deeper_pool_to_the_layers_asked(tiny_chat_llm, tmp_path):
     import torch
 
-    from specinfer.boost import init_ssm, save_ssm, start_ssm
+    from specinfer.training.boost import init_ssm, save_ssm, start_ssm
 
     vocab_ids = torch.arange(0, 600, 3)
     cfg = BoostConfig(llm=tiny_chat_llm, out=tmp_path / "new", layers=2)

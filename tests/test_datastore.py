@@ -8,9 +8,9 @@ import pytest
 from conftest import save_tiny_llama
 
 from services.speculator.engine import SpeculateSpec, SpeculatorEngine
-from specinfer.datastore import NgramDatastore, sharegpt_datastore
+from specinfer.drafting.datastore import NgramDatastore, sharegpt_datastore
+from specinfer.drafting.ssm import SSMDrafter
 from specinfer.models import load_ssm
-from specinfer.ssm import SSMDrafter
 from specinfer.tree import Draft, TokenTree, merge_trees
 
 CORPUS = [
@@ -104,10 +104,11 @@ def test_speculator_model_free_drafts_fit_the_budget_and_skip_the_ssms(tmp_path)
 def test_a_smaller_lookup_budget_is_the_first_nodes_of_a_larger_one():
     """The verifier reuses a shadow draft as the next step's tree, cut to that step's
     budget: this holds only because the merged model-free tree is built best first."""
-    from specinfer.lookup import LookupDrafter
+    from specinfer.drafting.model_free import ModelFreeDrafter
 
     store = NgramDatastore.build([[5, 6, 7, 8, 9], [1, 2, 3, 7, 4]] * 2, max_n=2)
-    drafter = LookupDrafter(store, ngram_depth=4, ngram_branches=2, datastore_depth=3)
+    drafter = ModelFreeDrafter(store, prompt_lookup_depth=4, prompt_lookup_branches=2,
+                              datastore_depth=3)
     for context in ([1, 2, 3, 1, 2, 4, 5, 6], [7, 8, 9, 7, 4, 7, 8], [9, 9, 9, 9]):
         big = drafter.tree(context, 8)
         for n in range(1, 9):

@@ -10,11 +10,12 @@ import torch
 from services.verifier.engine import EngineConfig, PrefillSpec
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
+from specinfer.drafting import DraftRequest
+from specinfer.drafting.head import DraftHead, FeatureDrafter, load_head
 from specinfer.errors import InvalidArgument
-from specinfer.head import DraftHead, FeatureDrafter, load_head, save_head
 from specinfer.models import load_model
 from specinfer.sampling import SamplingParams
-from specinfer.ssm import DraftRequest
+from specinfer.training.head import head_forward, save_head
 from specinfer.tree import TokenTree
 
 
@@ -52,7 +53,7 @@ def test_tree_drafting_matches_the_training_form(llm):
     assert len(tree) == 3 and tree.parents == [-1, 0, 1]
     inputs, tokens = feats[:-1], list(context[1:])
     for drafted in tree.tokens:
-        normed, logits, _ = head(inputs[None], torch.tensor([tokens]))
+        normed, logits, _ = head_forward(head, inputs[None], torch.tensor([tokens]))
         assert drafted == int(vocab_ids[logits[0, -1].argmax()])
         inputs = torch.cat([inputs, normed[0, -1:]])
         tokens.append(drafted)
@@ -72,7 +73,7 @@ def test_unrolled_training_levels_are_draft_chains(llm):
     """Level u of the unrolled training form at position i equals a chain drafted u levels
     past the true context that ends at i - u (the LLM's features there, the head's own
     after), recomputed step by step with plain causal attention."""
-    from specinfer.head import _unrolled
+    from specinfer.training.head import _unrolled
 
     head = _random_head(llm, torch.arange(3, 128, 2), seed=1)
     ids = [5, 17, 42, 9, 77, 31, 64, 8, 99, 12]
@@ -83,7 +84,7 @@ def test_unrolled_training_levels_are_draft_chains(llm):
         for i in range(u, len(tokens)):
             inputs, toks = feats[: i - u + 1], tokens[: i - u + 1]
             for step in range(u + 1):
-                normed, logits, _ = head(inputs[None], toks[None])
+                normed, logits, _ = head_forward(head, inputs[None], toks[None])
                 inputs = torch.cat([inputs, normed[0, -1:]])
                 toks = tokens[: i - u + step + 2]
             assert torch.allclose(levels[u][1][0, i], logits[0, -1], atol=1e-4), (u, i)
@@ -140,7 +141,7 @@ def test_the_head_drafts_its_share_dynamic_for_greedy_static_for_sampled(head_en
         seqs = [head_engine.sequences["g"], head_engine.sequences["t"]]
         cfg.head_nodes, cfg.head_dynamic = 5, True
         greedy, sampled = head_engine._head_trees(seqs, [16, 16], [True, True]).values()
-        drafter = head_engine.head
+        drafter = head_engine.head_drafter
         want = drafter.propose([DraftRequest("x", seqs[0].tokens, [2, 1, 1], dynamic=True,
                                              max_nodes=5,
                                              features=seqs[0].features[: seqs[0].cached])])[0]
@@ -153,7 +154,7 @@ def test_the_head_drafts_its_share_dynamic_for_greedy_static_for_sampled(head_en
     finally:
         cfg.head_nodes, cfg.head_dynamic = saved
         head_engine.release(["g", "t"])
-        head_engine.head.forget("x")
+        head_engine.head_drafter.forget("x")
 
 
 def test_asking_a_verifier_without_a_head_for_its_drafts_fails(tiny_llama):
@@ -178,8 +179,8 @@ def test_a_head_for_another_llm_is_refused(tiny_llama, tmp_path):
 def test_training_targets_are_exactly_the_answer_positions():
     """Output i reads the feature of token i and token i+1 and is trained on the LLM's
     feature of token i+1 (its next token, i+2): only where that token is answer text."""
-    from specinfer.boost import answer_example
-    from specinfer.head import _batch
+    from specinfer.training.boost import answer_example
+    from specinfer.training.head import _batch
 
     item = answer_example({"prompt": [5, 6, 7], "answer": [8, 9]})
     assert item["ids"] == [5, 6, 7, 8, 9] and item["pos"] == [2, 3]  # 7 -> 8, 8 -> 9
@@ -197,8 +198,8 @@ def test_training_targets_are_exactly_the_answer_positions():
 
 
 def test_train_head_rejects_bad_settings_naming_the_flag(tmp_path):
-    from specinfer.head import HeadConfig, train_head_pipeline
     from specinfer.models import ModelError
+    from specinfer.training.head import HeadConfig, train_head_pipeline
 
     for field, value, flag in [("levels", 0, "--levels"), ("epochs", 0.0, "--epochs"),
                                ("conversation_positions", -1, "--conversation-positions")]:

@@ -15,15 +15,15 @@ import urllib.request
 import pytest
 from servers import free_port, service, wait_serving
 
+from services.stack import stop_processes
 from specinfer.client import AsyncClient, Client, InvalidRequestError
-from specinfer.stack import stop_processes
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_chat_llm, smollm2_datastore):
     """Verifiers and a speculator as `specinfer serve ...` processes, and the router."""
     procs, verifiers = [], []
-    exe = [sys.executable, "-m", "specinfer", "serve"]
+    exe = [sys.executable, "-m", "services", "serve"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for _ in range(2):
         port = free_port()
@@ -166,7 +166,7 @@ def test_openai_logprobs_plain_and_streaming(stack):
 def test_token_bytes_are_raw_and_offsets_follow_the_text():
     """Logprobs' token bytes for byte-level BPE: a character split over tokens joins back
     exactly (OpenAI's ``bytes``), and each token's text offset is where it starts."""
-    from services.router.server import Frontend
+    from services.router.frontend import Frontend
     from specinfer.models import DEFAULT_LLM, load_tokenizer
 
     fe = Frontend(load_tokenizer(DEFAULT_LLM), "m", 49152)
@@ -183,7 +183,7 @@ def test_token_bytes_are_raw_and_offsets_follow_the_text():
             assert visible[o:].startswith(fe.token_text(t))
     assert fe.text_offsets(ids, 2, 4) == offsets[2:4]
     # An invalid byte is one U+FFFD in the text; special tokens (not in the text) take none.
-    from services.router.server import BYTE_OF_CHAR
+    from services.router.frontend import BYTE_OF_CHAR
 
     orphan = fe.tokenizer.convert_tokens_to_ids(
         next(c for c, b in BYTE_OF_CHAR.items() if b == 0x84))
@@ -195,7 +195,8 @@ def test_token_bytes_are_raw_and_offsets_follow_the_text():
 def test_a_stop_string_and_eos_in_one_step_keep_only_the_tokens_before_the_stop():
     """A speculative step accepting "." then EOS, with stop ".": one-token steps would stop
     at "."; so does the step (token ids, logprobs and usage included)."""
-    from services.router.scheduler import GenRequest, Scheduler
+    from services.router.request import GenRequest
+    from services.router.scheduler import Scheduler
     from specinfer.models import DEFAULT_LLM, load_tokenizer
     from specinfer.sampling import SamplingParams
     from specinfer.v1 import common_pb2
@@ -322,8 +323,9 @@ def test_head_mode_drafts_with_the_verifiers_draft_head(stack, reference, tiny_c
     output unchanged."""
     import torch
 
-    from specinfer.head import DraftHead, save_head
+    from specinfer.drafting.head import DraftHead
     from specinfer.models import load_model
+    from specinfer.training.head import save_head
 
     save_head(DraftHead(load_model(tiny_chat_llm), torch.arange(0, 4096)), tmp_path / "head",
               tiny_chat_llm, {})
@@ -410,27 +412,14 @@ def test_killing_the_speculator_then_a_verifier_loses_nothing(stack, reference):
         assert c.generate(PROMPTS[2], max_tokens=24).token_ids == reference[PROMPTS[2]]
 
 
-def test_a_shadow_draft_counts_the_tokens_a_step_would_have_accepted():
-    from services.router.scheduler import _accepted
-
-    # Root -> 5 -> 6 -> 7, and root -> 8.
-    tokens, parents = [5, 6, 8, 7], [-1, 0, -1, 1]
-    assert _accepted(tokens, parents, [5, 6, 7, 9]) == (3, True)  # a leaf reached
-    assert _accepted(tokens, parents, [5, 9]) == (1, True)  # a mismatch
-    assert _accepted(tokens, parents, [8]) == (1, True)
-    assert _accepted(tokens, parents, [5, 6]) == (2, False)  # not settled yet
-    assert _accepted(tokens[:2], parents[:2], [5, 6]) == (2, True)  # a 2-node budget
-    assert _accepted([], [], []) == (0, True)
-
-
 def test_streamed_text_never_holds_part_of_a_stop_string():
     """Text that may begin a stop string is held back until it cannot, or the request ends:
     a client never sees "a" of stop "abc"; held text that turns out not to be a stop
     string is sent with the next delta."""
     from types import SimpleNamespace
 
-    from services.router.scheduler import GenRequest
-    from services.router.server import Generation
+    from services.router.frontend import Generation
+    from services.router.request import GenRequest
     from specinfer.sampling import SamplingParams
 
     fe = SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)))
@@ -452,3 +441,35 @@ def test_streamed_text_never_holds_part_of_a_stop_string():
 
     assert stream(["xa", "b", "d", "z"], "length") == ["x", "", "abd", "", "z"]
     assert stream(["xa", "b", "c", "yy"], "stop") == ["x", "", "", "", ""]
+
+
+def test_the_client_installs_and_works_without_torch(stack, reference, tmp_path):
+    """`pip install .` into a fresh venv gives the gRPC SDK with grpcio and protobuf only:
+    no torch, transformers or deepspeed installed, and it generates through the stack."""
+    from pathlib import Path
+
+    venv = tmp_path / "client-venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    subprocess.run([py, "-m", "pip", "install", "-q", str(root)], check=True, env=env,
+                   timeout=900)
+    script = """
+import importlib.util, json, sys
+from specinfer.client import Client
+missing = [m for m in ("torch", "transformers", "deepspeed", "numpy")
+           if importlib.util.find_spec(m) is not None]
+with Client(sys.argv[1], timeout=60) as c:
+    out = c.generate(sys.argv[2], max_tokens=24, speculation=False)
+print(json.dumps({"installed": missing, "ids": out.token_ids, "file": __import__(
+    "specinfer.client").__file__}))
+"""
+    run = subprocess.run([py, "-c", script, stack["addr"], PROMPTS[0]], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["installed"] == []
+    assert out["file"].startswith(str(venv))  # the installed copy, not the checkout
+    assert out["ids"] == reference[PROMPTS[0]]
+

@@ -1,7 +1,9 @@
 """The router's adaptive speculation policy: measured per batch size, self-correcting, and
 choosing among plain decoding (arm 0) and several speculation modes."""
 
-from services.router.scheduler import SpeculationPolicy
+import pytest
+
+from services.router.policy import SpeculationPolicy
 
 
 def step(policy: SpeculationPolicy, batch: int, arm: int, rate: float,
@@ -123,10 +125,17 @@ def test_an_arm_that_cannot_run_on_this_batch_is_never_chosen():
 
 
 def test_cli_names_every_speculation_choice():
-    from services.router.scheduler import SPECULATION_CHOICES
-    from specinfer.cli import SPECULATION
+    from services.cli import build_parser
+    from services.router.policy import PLAIN, SPECULATION_CHOICES
 
-    assert set(SPECULATION) == set(SPECULATION_CHOICES)
+    parser = build_parser()
+    for argv in (["serve", "router", "--verifier", "v"], ["up"]):
+        for choice in SPECULATION_CHOICES:
+            assert parser.parse_args([*argv, "--speculation", choice]).speculation == choice
+        with pytest.raises(SystemExit):
+            parser.parse_args([*argv, "--speculation", "sometimes"])
+    # Mode 0 is plain decoding in every choice, so a policy's index is a mode index.
+    assert all(modes[0] is PLAIN for modes in SPECULATION_CHOICES.values())
 
 
 def test_each_sequence_speculates_where_its_own_drafts_fit():

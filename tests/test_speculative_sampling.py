@@ -16,9 +16,9 @@ from services.speculator.engine import SpeculateSpec, SpeculatorEngine
 from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
+from specinfer.drafting.ssm import SSMDrafter
 from specinfer.models import load_model, load_ssm
 from specinfer.sampling import SamplingParams
-from specinfer.ssm import SSMDrafter
 
 N = 1000
 
@@ -68,7 +68,8 @@ def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params):
 def test_the_verifiers_head_drafts_keep_the_distribution(tiny_llama, tmp_path):
     """The same test for trees the verifier drafts itself: its draft head's sampled chain
     (source after the model-free ones) merged with prompt-lookup drafts, at T=0.8."""
-    from specinfer.head import DraftHead, save_head
+    from specinfer.drafting.head import DraftHead
+    from specinfer.training.head import save_head
 
     save_head(DraftHead(load_model(tiny_llama), torch.arange(0, 128)), tmp_path / "head",
               tiny_llama, {})

@@ -9,10 +9,11 @@ from conftest import save_tiny_llama
 from servers import service
 
 from services.speculator.engine import SpeculateSpec, SpeculatorEngine
+from specinfer.drafting import DraftRequest
+from specinfer.drafting.prompt_lookup import prompt_lookup_tree
+from specinfer.drafting.ssm import SSMDrafter
 from specinfer.models import load_ssm
-from specinfer.ngram import ngram_tree
 from specinfer.sampling import SamplingParams
-from specinfer.ssm import DraftRequest, SSMDrafter
 from specinfer.v1 import common_pb2, speculator_pb2, speculator_pb2_grpc
 from specinfer.wire import tree_from_proto
 
@@ -34,7 +35,7 @@ def test_merged_tree_is_the_union_of_every_source(tiny_llama, second_llama):
     merged = engine.speculate([SpeculateSpec("s", context)])[0]
     alone = [drafter(ref, i).propose([DraftRequest("x", context, [2, 2, 1], max_nodes=20)])[0]
              for i, ref in enumerate((tiny_llama, second_llama))]
-    ngram = ngram_tree(context, 6, branches=2, source=2, max_nodes=20)
+    ngram = prompt_lookup_tree(context, 6, branches=2, source=2, max_nodes=20)
     assert len(ngram) > 0
     assert merged.paths() == alone[0].paths() | alone[1].paths() | ngram.paths()
     sources = {d.source for drafts in merged.drafts for d in drafts}
@@ -48,9 +49,9 @@ def test_truncated_ssm_reference(tiny_llama):
 
 
 def test_ngram_tree_follows_earlier_occurrences():
-    tree = ngram_tree([1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2, 3], 3, branches=2)
+    tree = prompt_lookup_tree([1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2, 3], 3, branches=2)
     assert tree.paths() == {(7,), (7, 1), (7, 1, 2), (4,), (4, 9), (4, 9, 1)}
-    assert len(ngram_tree([1, 2, 3], 4)) == 0
+    assert len(prompt_lookup_tree([1, 2, 3], 4)) == 0
 
 
 @pytest.fixture(scope="module")
@@ -103,23 +104,23 @@ def test_sampling_params_validation():
 def test_ngram_continuations_cut_short_by_the_context_end_are_lengthened():
     """The most recent match of a repeated token leaves one token to follow it; later
     matches extend that branch instead of taking the second one."""
-    tree = ngram_tree([5, 9, 9, 9, 9, 9], 4, branches=2, max_n=1)
+    tree = prompt_lookup_tree([5, 9, 9, 9, 9, 9], 4, branches=2, max_n=1)
     assert tree.paths() == {(9,), (9, 9), (9, 9, 9), (9, 9, 9, 9)}
-    tree = ngram_tree([4, 7, 4, 8, 8, 4], 3, branches=2, max_n=1)
+    tree = prompt_lookup_tree([4, 7, 4, 8, 8, 4], 3, branches=2, max_n=1)
     assert tree.paths() == {(8,), (8, 8), (8, 8, 4), (7,), (7, 4), (7, 4, 8)}
 
 
 def test_expansion_flags_are_checked_and_name_the_flag():
-    from specinfer.cli import _expansion
+    from services.flags import parse_expansion
     from specinfer.models import ModelError
 
-    assert _expansion("1, 0,3", "--expansion", min_width=0) == [1, 0, 3]
-    assert _expansion("2,1,1,1", "--head-expansion") == [2, 1, 1, 1]
+    assert parse_expansion("1, 0,3", "--expansion", min_width=0) == [1, 0, 3]
+    assert parse_expansion("2,1,1,1", "--head-expansion") == [2, 1, 1, 1]
     for text, flag, low in [("1,0", "--head-expansion", 1), ("1,17", "--expansion", 0),
                             ("1,x", "--expansion", 0), ("", "--head-expansion", 1),
                             ("-1", "--expansion", 0)]:
         with pytest.raises(ModelError, match=flag):
-            _expansion(text, flag, min_width=low)
+            parse_expansion(text, flag, min_width=low)
 
 
 def test_benchmark_length_profile_counts_steps_begun_before_the_cut():
@@ -136,7 +137,7 @@ def test_benchmark_length_profile_counts_steps_begun_before_the_cut():
 
 
 def test_verifier_refuses_a_head_share_outside_its_tree_budget(capsys):
-    from specinfer.cli import main
+    from services.cli import main
 
     for value in ("0", "65"):  # --max-tree-nodes defaults to 64
         assert main(["serve", "verifier", "--head-nodes", value]) == 2

@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from specinfer.drafting import DraftRequest
+from specinfer.drafting.ssm import SSMDrafter
 from specinfer.sampling import SamplingParams, target_probs
-from specinfer.ssm import DraftRequest, SSMDrafter
 from specinfer.tree import ROOT, expand_tree
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from servers import free_port, wait_serving
 
-from specinfer.boost import chat_prompt_ids
+from specinfer.chat import chat_prompt_ids
 from specinfer.client import Client
 from specinfer.data import mtbench_first_turns
 from specinfer.models import DEFAULT_LLM, load_model, load_tokenizer
@@ -26,7 +26,7 @@ NEW = 48
 @pytest.fixture(scope="module")
 def up(smollm2_datastore):
     port, http = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specinfer", "up", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "services", "up", "--port", str(port),
                              "--http-port", str(http), "--slots", "4", "--max-context",
                              "1024", "--speculation", "always"])
     try:
@@ -58,7 +58,7 @@ def test_stack_greedy_equals_transformers_on_mtbench(up):
 
 def test_generate_cli_json_contract(up):
     addr, _ = up
-    out = subprocess.run([sys.executable, "-m", "specinfer", "generate", "--addr", addr,
+    out = subprocess.run([sys.executable, "-m", "services", "generate", "--addr", addr,
                           "--chat", "--json", "--max-tokens", "16", "What is 2+2?"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -5,7 +5,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specinfer.tree import ROOT, Draft, TokenTree, TreeBatch, expand_tree, merge_trees
+from specinfer.tree import (
+    ROOT,
+    Draft,
+    TokenTree,
+    TreeBatch,
+    accepted_depth,
+    expand_tree,
+    merge_trees,
+)
 
 # A tree is described by the token paths inserted into it (each a list of small ids so
 # that shared prefixes and collisions are common).
@@ -163,3 +171,14 @@ def test_sampled_expansion_records_the_distribution_drawn_from(replacement):
     if not replacement:
         # Without replacement the root's children are distinct draws: 3 nodes.
         assert len(tree.children(ROOT)) == 3
+
+
+def test_a_shadow_draft_counts_the_tokens_a_step_would_have_accepted():
+    # Root -> 5 -> 6 -> 7, and root -> 8.
+    tokens, parents = [5, 6, 8, 7], [-1, 0, -1, 1]
+    assert accepted_depth(tokens, parents, [5, 6, 7, 9]) == (3, True)  # a leaf reached
+    assert accepted_depth(tokens, parents, [5, 9]) == (1, True)  # a mismatch
+    assert accepted_depth(tokens, parents, [8]) == (1, True)
+    assert accepted_depth(tokens, parents, [5, 6]) == (2, False)  # not settled yet
+    assert accepted_depth(tokens[:2], parents[:2], [5, 6]) == (2, True)  # a 2-node budget
+    assert accepted_depth([], [], []) == (0, True)

@@ -119,7 +119,7 @@ def test_sorting_drafts_by_probability_is_detected(monkeypatch):
     assert pvalue < 1e-6 and tv > 0.1, f"sorted drafts undetected: p={pvalue:.2e}, TV={tv:.4f}"
 
 
-def test_one_hot_draft_equal_to_target_is_always_accepted():
+def test_one_hot_draft_equal_to_target_is_alwaysaccepted_depth():
     tree = TokenTree()
     tree.add(ROOT, 2, [Draft.one_hot(0, 0, 2)])
     probs = torch.zeros(2, VOCAB, dtype=torch.float64)

@@ -116,7 +116,7 @@ def test_sigterm_stops_cleanly(tiny_llama):
 def test_missing_model_is_a_clear_error(tmp_path):
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "specinfer", "serve", "verifier", "--llm",
+    out = subprocess.run([sys.executable, "-m", "services", "serve", "verifier", "--llm",
                           str(tmp_path / "nope"), "--port", "0"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2

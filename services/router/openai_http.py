@@ -5,90 +5,22 @@ usage chunk, then ``[DONE]``), with OpenAI-shaped errors."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
 
 from aiohttp import web
 
-from services.router.scheduler import GenRequest, Scheduler
-from services.router.server import MAX_TOKENS_LIMIT, Frontend, Generation
+from services.router.frontend import Frontend, Generation, openai_requests
+from services.router.request import GenRequest
+from services.router.scheduler import Scheduler
 from specinfer.errors import InvalidArgument, ServiceError
-from specinfer.sampling import MAX_LOGPROBS, SamplingParams
 
 
 def _error(status: int, message: str, param: str | None = None,
            kind: str = "invalid_request_error") -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return web.json_response(body, status=status)
-
-
-def _number(body: dict, name: str, default, kind=float):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgument(name, "must be a number")
-    if kind is int and int(value) != value:
-        raise InvalidArgument(name, "must be an integer")
-    return kind(value)
-
-
-MAX_CHOICES = 8
-
-
-def _choices(body: dict) -> int:
-    n = _number(body, "n", 1, int)
-    if not 1 <= n <= MAX_CHOICES:
-        raise InvalidArgument("n", f"must be an integer in 1..{MAX_CHOICES}")
-    return n
-
-
-def _logprobs(body: dict, chat: bool) -> int | None:
-    """Alternatives per token to report, or None for no logprobs: chat takes
-    ``logprobs: true`` with ``top_logprobs: N``, completions ``logprobs: N``."""
-    field = "top_logprobs" if chat else "logprobs"
-    if chat:
-        wanted = body.get("logprobs")
-        if wanted is not None and not isinstance(wanted, bool):
-            raise InvalidArgument("logprobs", "must be a boolean")
-        if body.get("top_logprobs") is not None and not wanted:
-            raise InvalidArgument("top_logprobs", "needs logprobs: true")
-        if not wanted:
-            return None
-    elif body.get("logprobs") is None:
-        return None
-    top = _number(body, field, 0, int)
-    if not 0 <= top <= MAX_LOGPROBS:
-        raise InvalidArgument(field, f"must be an integer in 0..{MAX_LOGPROBS}")
-    return top
-
-
-def _params(body: dict, chat: bool) -> SamplingParams:
-    temperature = _number(body, "temperature", 1.0)
-    top_p = _number(body, "top_p", 1.0)
-    seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-        raise InvalidArgument("seed", "must be a non-negative integer")
-    try:
-        return SamplingParams(temperature=temperature, top_k=_number(body, "top_k", 0, int),
-                              top_p=top_p, min_p=_number(body, "min_p", 0.0), seed=seed,
-                              logprobs=_logprobs(body, chat))
-    except ValueError as exc:
-        field = str(exc).split(" ", 1)[0]
-        raise InvalidArgument(field, str(exc)) from exc
-
-
-def _stop(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
-        return stop
-    raise InvalidArgument("stop", "must be a string or a list of up to 16 strings")
 
 
 class OpenAIApi:
@@ -116,63 +48,19 @@ class OpenAIApi:
                                   f"{self.fe.model_name!r}")
         return body
 
-    def _requests(self, body: dict, ids: list[int], default_max: int | None,
-                  chat: bool) -> list[GenRequest]:
-        """One scheduler request per choice (``n``); seeded choices get seeds seed, seed+1,
-        ... so that each is reproducible and they differ."""
-        n = _choices(body)
-        params = _params(body, chat)
-        out = []
-        for i in range(n):
-            p = params if params.seed is None else dataclasses.replace(params,
-                                                                        seed=params.seed + i)
-            out.append(self._request(body, ids, default_max, p))
-        return out
-
-    def _request(self, body: dict, ids: list[int], default_max: int | None,
-                 params: SamplingParams) -> GenRequest:
-        if not ids:
-            raise InvalidArgument("prompt", "must not be empty")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
-        if max_tokens is None:
-            max_tokens = MAX_TOKENS_LIMIT
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) \
-                or not 0 < max_tokens <= MAX_TOKENS_LIMIT:
-            raise InvalidArgument("max_tokens", f"must be an integer in 1..{MAX_TOKENS_LIMIT}")
-        spec = body.get("speculation", True)
-        return GenRequest(ids, max_tokens, params, speculation=bool(spec),
-                          stop=_stop(body), session_id=str(body.get("user") or ""))
-
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await self._body(request)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if isinstance(prompt, str):
-                ids = self.fe.encode_prompt(prompt) if prompt else []
-            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                self.fe.check_ids("prompt", prompt)
-                ids = prompt
-            else:
-                raise InvalidArgument("prompt", "must be a string or a list of token ids")
-            reqs = self._requests(body, ids, 16, chat=False)
-        except ServiceError as exc:
-            return _error(exc.http_status, str(exc), getattr(exc, "field", None))
-        return await self._run(request, body, reqs, chat=False)
+        return await self._generate(request, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body = await self._body(request)
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise InvalidArgument("messages", "must be a non-empty list")
-            if not all(isinstance(m, dict) for m in messages):
-                raise InvalidArgument("messages", "each message must be an object")
-            reqs = self._requests(body, self.fe.encode_chat(messages), None, chat=True)
+            reqs = openai_requests(self.fe, body, chat)
         except ServiceError as exc:
             return _error(exc.http_status, str(exc), getattr(exc, "field", None))
-        return await self._run(request, body, reqs, chat=True)
+        return await self._run(request, body, reqs, chat)
 
     async def _run(self, request: web.Request, body: dict, reqs: list[GenRequest],
                    chat: bool) -> web.StreamResponse:

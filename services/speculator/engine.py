@@ -1,8 +1,8 @@
 """The speculator engine: one merged token tree per sequence from a pool of SSMs and the
-n-gram drafter. Stateless: each SSM's per-sequence KV cache is an optimisation only.
+model-free drafters. Stateless: each SSM's per-sequence KV cache is an optimisation only.
 
 Draft sources are numbered: SSM i is source i, then the prompt-lookup (n-gram) drafter,
-then the corpus datastore (``specinfer.datastore``), each if enabled.
+then the corpus datastore (``specinfer.drafting.datastore``), each if enabled.
 Each SSM gets its own share of the node budget, so the merged tree respects it without
 cutting sampled drafts out of a source's order (which MSS relies on); the model-free
 sources' deterministic drafts share the rest and are cut to it.
@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specinfer.datastore import NgramDatastore
-from specinfer.errors import InvalidArgument
-from specinfer.lookup import LookupDrafter
+from specinfer.drafting import DraftRequest
+from specinfer.drafting.datastore import NgramDatastore
+from specinfer.drafting.model_free import ModelFreeDrafter
+from specinfer.drafting.ssm import SSMDrafter
+from specinfer.errors import InvalidArgument, check_token_ids
 from specinfer.sampling import SamplingParams
-from specinfer.ssm import DraftRequest, SSMDrafter
 from specinfer.tree import TokenTree, merge_trees
 
 # The SSM tree (the router's "tree" mode): chains of 3 per SSM measured fastest among SSM
@@ -53,8 +54,9 @@ class SpeculatorEngine:
         self.vocab_size = vocab_size
         self.expansion = expansion or DEFAULT_EXPANSION
         self.max_nodes = max_nodes
-        self.lookup = LookupDrafter(datastore, ngram, ngram_depth, ngram_branches,
-                                    datastore_depth, first_source=len(pool))
+        self.model_free = ModelFreeDrafter(datastore, ngram, ngram_depth, ngram_branches,
+                                           datastore_depth, source=len(pool),
+                                           vocab_size=vocab_size)
 
     def validate(self, specs: list[SpeculateSpec]) -> None:
         for i, s in enumerate(specs):
@@ -62,10 +64,7 @@ class SpeculatorEngine:
                 raise InvalidArgument(f"items[{i}].sequence_id", "must not be empty")
             if not s.context:
                 raise InvalidArgument(f"items[{i}].context", "must hold at least the root token")
-            bad = next((t for t in s.context if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise InvalidArgument(f"items[{i}].context", f"token id {bad} outside the "
-                                      f"vocabulary [0, {self.vocab_size})")
+            check_token_ids(f"items[{i}].context", s.context, self.vocab_size)
             if s.max_nodes > self.max_nodes:
                 raise InvalidArgument(f"items[{i}].tree.max_nodes",
                                       f"{s.max_nodes} exceeds the server's budget {self.max_nodes}")
@@ -83,7 +82,7 @@ class SpeculatorEngine:
         self.validate(specs)
         budgets = [(s.max_nodes or self.max_nodes) for s in specs]
         use_ssm = [any(w > 0 for w in (s.expansion or self.expansion)) for s in specs]
-        cheap = self.lookup.sources
+        cheap = self.model_free.sources
         shares = [max(1, b // max(1, cheap + (len(self.pool) if ssm else 0)))
                   for b, ssm in zip(budgets, use_ssm, strict=True)]
         trees: list[list[TokenTree]] = [[] for _ in specs]
@@ -91,7 +90,7 @@ class SpeculatorEngine:
         # Model-free drafts first: deterministic, so they may be cut to their share.
         if cheap:
             for i, s in enumerate(specs):
-                trees[i].append(self.lookup.tree(s.context, shares[i] * cheap, self.vocab_size))
+                trees[i].append(self.model_free.tree(s.context, shares[i] * cheap))
 
         drafting = [i for i, ssm in enumerate(use_ssm) if ssm]
 

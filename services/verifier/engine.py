@@ -11,6 +11,7 @@ without touching other sequences.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -19,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from services.verifier.executor import ForwardArgs
-from specinfer.errors import InvalidArgument, OutOfRange, ResourceExhausted
-from specinfer.lookup import LookupDrafter
+from specinfer.drafting import DraftRequest
+from specinfer.drafting.head import FeatureDrafter
+from specinfer.drafting.model_free import ModelFreeDrafter
+from specinfer.errors import InvalidArgument, OutOfRange, ResourceExhausted, check_token_ids
 from specinfer.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -28,7 +31,6 @@ from specinfer.sampling import (
     target_probs,
     token_logprobs,
 )
-from specinfer.ssm import DraftRequest, SSMDrafter
 from specinfer.tree import TokenTree, TreeBatch, merge_trees
 from specinfer.verification import Accepted, verify_batch
 
@@ -61,7 +63,7 @@ class SequenceState:
     created: float = field(default_factory=time.monotonic)
     # The last model-free tree drafted for it: (token count it was drafted for, node
     # budget, tree). A shadow draft is the next step's tree: drafted once, not twice.
-    lookup: tuple[int, int, TokenTree] | None = None
+    model_free_draft: tuple[int, int, TokenTree] | None = None
     # With a draft head: the LLM's normed last hidden state of every cached token.
     features: torch.Tensor | None = None
 
@@ -111,24 +113,25 @@ class VerifyOut:
 class VerifierEngine:
     def __init__(self, executor, config: EngineConfig, model_name: str = "",
                  eos_token_ids: list[int] | None = None,
-                 drafter: LookupDrafter | None = None,
-                 head: SSMDrafter | None = None) -> None:
+                 model_free: ModelFreeDrafter | None = None,
+                 head_drafter: FeatureDrafter | None = None) -> None:
         self.executor = executor
+        self.vocab_size = executor.vocab_size
         # Model-free drafts from a sequence's own history, for Verify items that ask for
         # them instead of sending a tree.
-        self.drafter = drafter or LookupDrafter()
-        # A draft head on the LLM's features (``specinfer.head.FeatureDrafter``): its
-        # drafts are one more source, after the model-free ones.
-        self.head = head
-        if head is not None:
+        self.model_free = dataclasses.replace(model_free or ModelFreeDrafter(),
+                                              vocab_size=self.vocab_size)
+        # The draft head on the LLM's features: its drafts are one more source, after the
+        # model-free ones.
+        self.head_drafter = head_drafter
+        if head_drafter is not None:
             if executor.tp != 1 or executor.pp != 1:
                 raise ValueError("a draft head needs the LLM's features in this process: "
                                  "tensor and pipeline parallel degree 1")
-            head.source = self.drafter.first_source + self.drafter.sources
+            head_drafter.source = self.model_free.source + self.model_free.sources
         self.config = config
         self.model_name = model_name
         self.eos_token_ids = eos_token_ids or []
-        self.vocab_size = executor.vocab_size
         self.sequences: dict[str, SequenceState] = {}
         self.sessions: OrderedDict[str, SessionEntry] = OrderedDict()  # LRU order
         self.free_slots = list(range(config.slots))[::-1]
@@ -164,12 +167,6 @@ class VerifierEngine:
 
     # --- validation -------------------------------------------------------------------
 
-    def _check_tokens(self, name: str, tokens: list[int]) -> None:
-        for j, t in enumerate(tokens):
-            if not 0 <= t < self.vocab_size:
-                raise InvalidArgument(f"{name}[{j}]", f"token id {t} outside the vocabulary "
-                                      f"[0, {self.vocab_size})")
-
     def _live(self, name: str, sequence_id: str) -> SequenceState:
         seq = self.sequences.get(sequence_id)
         if seq is None:
@@ -198,7 +195,7 @@ class VerifierEngine:
                     f"prompt of {len(spec.token_ids)} tokens leaves no room to generate "
                     f"(max_context {self.config.max_context})",
                 )
-            self._check_tokens(f"items[{i}].token_ids", spec.token_ids)
+            check_token_ids(f"items[{i}].token_ids", spec.token_ids, self.vocab_size)
         reusable = sum(1 for s in specs if s.session_id in self.sessions)
         if len(specs) - reusable > len(self.free_slots) + len(self.sessions) - reusable:
             raise ResourceExhausted(
@@ -214,8 +211,9 @@ class VerifierEngine:
         while reuse < min(len(kept), len(prompt) - 1) and kept[reuse] == prompt[reuse]:
             reuse += 1
         features = None
-        if self.head is not None:
-            features = torch.zeros(self.config.max_context, self.head.runtime.config.hidden_size)
+        if self.head_drafter is not None:
+            features = torch.zeros(self.config.max_context,
+                                   self.head_drafter.runtime.config.hidden_size)
             if reuse:
                 features[:reuse] = kept_features[:reuse]
         logits = None
@@ -282,7 +280,7 @@ class VerifierEngine:
             if nodes and len(tree):
                 raise InvalidArgument(f"items[{i}].draft_nodes",
                                       "set with a tree: send a tree or ask for a draft, not both")
-            if draft_head[i] and self.head is None:
+            if draft_head[i] and self.head_drafter is None:
                 raise InvalidArgument(f"items[{i}].draft_head", "this verifier has no draft "
                                       "head (Info.draft_head)")
             for name, n in (("draft_nodes", nodes), ("shadow_nodes", shadow_nodes[i])):
@@ -292,7 +290,7 @@ class VerifierEngine:
             if len(tree) > self.config.max_tree_nodes:
                 raise InvalidArgument(f"items[{i}].tree", f"{len(tree)} nodes exceed the budget "
                                       f"of {self.config.max_tree_nodes}")
-            self._check_tokens(f"items[{i}].tree.tokens", tree.tokens)
+            check_token_ids(f"items[{i}].tree.tokens", tree.tokens, self.vocab_size)
             if seq.cached + 1 + len(tree) > self.config.max_context:
                 raise OutOfRange(f"items[{i}]: sequence {sid!r} would exceed max_context "
                                  f"{self.config.max_context}")
@@ -306,17 +304,17 @@ class VerifierEngine:
         head_trees = self._head_trees(seqs, budgets, draft_head)  # all items are valid: draft
         for i, (seq, nodes) in enumerate(zip(seqs, budgets, strict=True)):
             if nodes > 0:
-                lookup = self._lookup(seq, nodes)
+                model_free = self._model_free_tree(seq, nodes)
                 # The head's sampled drafts come first: a cut may only drop one-hot drafts.
-                trees[i] = lookup if i not in head_trees else \
-                    merge_trees([head_trees[i], lookup], max_nodes=nodes)
+                trees[i] = model_free if i not in head_trees else \
+                    merge_trees([head_trees[i], model_free], max_nodes=nodes)
         batch = TreeBatch.build(trees, [s.root for s in seqs], [s.cached for s in seqs])
         q = batch.tokens.shape[1]
         key_len = int(batch.prefix_lens.max()) + q
         visible = None if len(seqs) == 1 and q == 1 else batch.visibility(key_len)
         logits = self.executor.forward(ForwardArgs(
             batch.tokens, batch.position_ids, torch.tensor([s.slot for s in seqs]),
-            batch.prefix_lens, visible, features=self.head is not None,
+            batch.prefix_lens, visible, features=self.head_drafter is not None,
         ))
         results = verify_batch(logits, trees, [s.params for s in seqs],
                                [s.generator for s in seqs])
@@ -324,7 +322,7 @@ class VerifierEngine:
                 for b, (seq, tree, acc) in enumerate(zip(seqs, trees, results, strict=True))]
         for seq, out, nodes in zip(seqs, outs, shadow_nodes, strict=True):
             if nodes:
-                out.next_draft = self._lookup(seq, nodes)
+                out.next_draft = self._model_free_tree(seq, nodes)
         return outs
 
     def _head_trees(self, seqs: list[SequenceState], budgets: list[int],
@@ -339,17 +337,17 @@ class VerifierEngine:
                                  min(budgets[i], cfg.head_nodes),
                                  seqs[i].features[: seqs[i].cached])
                     for i in rows]
-        return dict(zip(rows, self.head.propose(requests), strict=True))
+        return dict(zip(rows, self.head_drafter.propose(requests), strict=True))
 
-    def _lookup(self, seq: SequenceState, nodes: int) -> TokenTree:
+    def _model_free_tree(self, seq: SequenceState, nodes: int) -> TokenTree:
         """The model-free tree of at most ``nodes`` nodes below the sequence's last token,
         reused if drafted already for these tokens: a smaller budget takes its first nodes
         (the drafts are merged best first, so that is the smaller budget's tree)."""
-        if seq.lookup is not None and seq.lookup[0] == len(seq.tokens) \
-                and nodes <= seq.lookup[1]:
-            return merge_trees([seq.lookup[2]], max_nodes=nodes)
-        tree = self.drafter.tree(seq.tokens, nodes, self.vocab_size)
-        seq.lookup = (len(seq.tokens), nodes, tree)
+        kept = seq.model_free_draft
+        if kept is not None and kept[0] == len(seq.tokens) and nodes <= kept[1]:
+            return merge_trees([kept[2]], max_nodes=nodes)
+        tree = self.model_free.tree(seq.tokens, nodes)
+        seq.model_free_draft = (len(seq.tokens), nodes, tree)
         return tree
 
     def _accept(self, seq: SequenceState, tree: TokenTree, acc: Accepted,
@@ -382,8 +380,8 @@ class VerifierEngine:
             if seq is None:
                 continue
             released += 1
-            if self.head is not None:
-                self.head.forget(sid)
+            if self.head_drafter is not None:
+                self.head_drafter.forget(sid)
             if keep_for_session and seq.session_id:
                 old = self.sessions.pop(seq.session_id, None)
                 if old is not None:
@@ -407,7 +405,7 @@ class VerifierEngine:
             "max_tree_nodes": self.config.max_tree_nodes,
             "eos_token_ids": self.eos_token_ids,
             "live_sequences": len(self.sequences),
-            "draft_head": self.head is not None,
+            "draft_head": self.head_drafter is not None,
         }
 
 

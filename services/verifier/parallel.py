@@ -20,7 +20,6 @@ import datetime
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -32,16 +31,11 @@ import torch.distributed as dist
 
 from services.verifier.engine import EngineConfig, VerifierEngine, eos_ids, slot_len
 from services.verifier.executor import ForwardArgs, LocalExecutor
-from specinfer.lookup import LookupDrafter
+from specinfer.drafting.model_free import ModelFreeDrafter
+from specinfer.net import free_port
 from specinfer.runtime import LlamaRuntime
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _disable_deepspeed_shm_allreduce() -> None:
@@ -122,7 +116,7 @@ class RankWorker:
                                                                     self.stage_ranks)},
             )
             model = engine.module
-        self.runtime = LlamaRuntime(model, config.slots, slot_len(config), first, last)
+        self.runtime = LlamaRuntime.from_model(model, config.slots, slot_len(config), first, last)
         self.hidden_size = model.config.hidden_size
         log.info("rank ready", extra={"rank": rank, "stage": self.stage, "tp_rank": self.tp_rank,
                                       "layers": [first, last]})
@@ -235,7 +229,7 @@ class ParallelExecutor:
 
 def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
                  micro_batches: int = 2, threads: int = 0,
-                 drafter: LookupDrafter | None = None, head: str | None = None
+                 drafter: ModelFreeDrafter | None = None, head: str | None = None
                  ) -> VerifierEngine:
     """A verifier engine over ``tp * pp`` ranks; this process becomes rank 0. ``head``: a
     draft head directory (``specinfer train-head``; tp = pp = 1 only)."""
@@ -244,13 +238,13 @@ def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
     if head and tp * pp > 1:
         raise ValueError("a draft head needs --tp 1 --pp 1")
     if tp == 1 and pp == 1:
-        from specinfer.head import FeatureDrafter, load_head
+        from specinfer.drafting.head import FeatureDrafter, load_head
         from specinfer.models import load_model
 
         if threads:
             torch.set_num_threads(threads)
         model = load_model(llm)
-        runtime = LlamaRuntime(model, config.slots, slot_len(config))
+        runtime = LlamaRuntime.from_model(model, config.slots, slot_len(config))
         drafts = None
         if head:
             drafts = FeatureDrafter(load_head(head, model), slots=config.slots,
@@ -258,7 +252,7 @@ def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
                                     max_tree_nodes=config.max_tree_nodes)
         return VerifierEngine(LocalExecutor(runtime), config, llm, eos_ids(model), drafter,
                               drafts)
-    port = _free_port()
+    port = free_port()
     spec = json.dumps({"llm": llm, "config": asdict(config), "tp": tp, "pp": pp,
                        "micro_batches": micro_batches, "master_port": port,
                        "threads": threads, "parent": os.getpid()})

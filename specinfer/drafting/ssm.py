@@ -19,27 +19,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 
+from specinfer.drafting import DraftRequest
+from specinfer.errors import check_token_ids
 from specinfer.runtime import LlamaRuntime
 from specinfer.sampling import SamplingParams, target_probs
 from specinfer.tree import ROOT, TokenTree, TreeBatch, expand_level
-
-
-@dataclass
-class DraftRequest:
-    sequence_id: str
-    context: list[int]  # prompt + generated; the last token is the tree's root
-    expansion: list[int] = field(default_factory=lambda: [1, 1, 3, 1, 1, 1, 1, 1])
-    params: SamplingParams = field(default_factory=SamplingParams)
-    generator: torch.Generator | None = None
-    dynamic: bool = False  # greedy requests only
-    max_nodes: int = 64
-    # A feature drafter's input (``specinfer.head``): the LLM's features of every context
-    # token but the root, ``[len(context) - 1, hidden]``.
-    features: torch.Tensor | None = None
 
 
 class SSMDrafter:
@@ -64,10 +51,10 @@ class SSMDrafter:
         self.max_tree_nodes = max_tree_nodes
         self.draft_top_k = draft_top_k
         self.chunk = chunk
-        self.runtime = LlamaRuntime(model, slots, max_context + max_tree_nodes + 1)
+        self.runtime = self._runtime(model, slots, max_context + max_tree_nodes + 1)
         self.slots = slots
         self.vocab_ids = vocab_ids
-        self.vocab_size = llm_vocab_size or model.config.vocab_size
+        self.vocab_size = llm_vocab_size or self.runtime.vocab_size
         self.column_of: torch.Tensor | None = None  # LLM token id -> head column
         if vocab_ids is not None:
             self.column_of = torch.full((self.vocab_size,), -1, dtype=torch.long)
@@ -76,6 +63,10 @@ class SSMDrafter:
         self.dynamic_depth = dynamic_depth
         # sequence id -> (slot, tokens whose K/V the slot holds); LRU order.
         self.entries: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
+
+    @staticmethod
+    def _runtime(model, slots: int, slot_len: int) -> LlamaRuntime:
+        return LlamaRuntime.from_model(model, slots, slot_len)
 
     # --- cache ------------------------------------------------------------------------
 
@@ -160,8 +151,7 @@ class SSMDrafter:
         for i, req in enumerate(requests):
             if not req.context:
                 raise ValueError(f"items[{i}].context is empty")
-            if any(not 0 <= t < self.vocab_size for t in req.context):
-                raise ValueError(f"items[{i}].context holds a token id outside the vocabulary")
+            check_token_ids(f"items[{i}].context", req.context, self.vocab_size)
             if len(req.context) > self.max_context:
                 raise ValueError(f"items[{i}].context is longer than max_context "
                                  f"{self.max_context}")

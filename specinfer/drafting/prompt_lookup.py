@@ -1,4 +1,4 @@
-"""Prompt-lookup (n-gram) drafting: no model, only the sequence's own tokens.
+"""Prompt-lookup drafting (n-gram matches in the context): no model, only the sequence's own tokens.
 
 The last n tokens of the context (n from ``max_n`` down to ``min_n``) are looked up in the
 earlier context; the tokens that followed each match are proposed as a chain. Distinct
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from specinfer.tree import ROOT, Draft, TokenTree
 
 
-def ngram_tree(
+def prompt_lookup_tree(
     context: Sequence[int],
     depth: int,
     *,

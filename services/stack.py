@@ -4,21 +4,39 @@ then stops every one of them."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
+from services.router.policy import SPECULATION_CHOICES
+from specinfer.models import DEFAULT_LLM
+from specinfer.net import free_port
+
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llm", default=DEFAULT_LLM)
+    p.add_argument("--ssm", action="append", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--verifiers", type=int, default=1)
+    p.add_argument("--speculators", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--expansion", default=None, help="the speculator's static tree")
+    p.add_argument("--draft-head", default="auto", help="the verifiers' draft head: auto, "
+                   "none or a directory (see serve verifier)")
+    p.add_argument("--datastore", default="auto", help="the speculators' and verifiers' "
+                   "corpus drafts: auto, none or a saved .npz")
+    p.add_argument("--speculation", choices=tuple(SPECULATION_CHOICES), default="adaptive")
 
 
 def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) -> bool:
@@ -40,8 +58,8 @@ def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) ->
     return False
 
 
-def run_stack(args) -> int:
-    exe = [sys.executable, "-m", "specinfer"]
+def run(args: argparse.Namespace) -> int:
+    exe = [sys.executable, "-m", "services"]
     procs: list[subprocess.Popen] = []
     stopping = False
 
@@ -55,7 +73,7 @@ def run_stack(args) -> int:
     threads = max(1, (os.cpu_count() or 1) // max(1, args.verifiers * args.tp * args.pp))
     verifiers = []
     for _ in range(args.verifiers):
-        port = _free_port()
+        port = free_port()
         verifiers.append(f"127.0.0.1:{port}")
         procs.append(subprocess.Popen(exe + [
             "serve", "verifier", "--llm", args.llm, "--port", str(port), "--tp", str(args.tp),
@@ -64,7 +82,7 @@ def run_stack(args) -> int:
             "--draft-head", args.draft_head]))
     speculators = []
     for _ in range(args.speculators):
-        port = _free_port()
+        port = free_port()
         speculators.append(f"127.0.0.1:{port}")
         cmd = exe + ["serve", "speculator", "--llm", args.llm, "--port", str(port),
                      "--max-context", str(args.max_context), "--threads", str(threads)]

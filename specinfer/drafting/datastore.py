@@ -153,9 +153,9 @@ def sharegpt_datastore(tokenizer, max_tokens: int = 10_000_000, max_n: int = 4,
 
 def _build_sharegpt(tokenizer, path: Path, max_tokens: int, max_n: int,
                     min_count: int) -> NgramDatastore:
-    from specinfer.boost import BoostConfig, select_conversations
+    from specinfer.data import select_conversations
 
-    train, _ = select_conversations(BoostConfig(llm="", out="", prompts=10**9, heldout=0))
+    train, _ = select_conversations(prompts=10**9, heldout=0)
     texts = [t["value"] for conv in train for t in conv if t.get("from") == "gpt"]
     sequences, total = [], 0
     for start in range(0, len(texts), 1000):

@@ -1,0 +1,5 @@
+import sys
+
+from services.cli import main
+
+sys.exit(main())

@@ -1,0 +1,76 @@
+"""The ``specinfer`` command (DESIGN.md §6): parses, then dispatches to the command's own
+module. Each service's flags and composition live beside it (``services/<role>/main.py``);
+``up`` is ``services.stack``, ``generate`` ``services.generate``, and the training commands
+``specinfer.training.commands``. Only the module of the command being run is imported (so a
+serving process never loads training code); ``--help`` imports them all."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from specinfer.models import ModelError
+
+# (command, role) -> (help, module, its flags function, its run function)
+COMMANDS = {
+    ("serve", "verifier"): ("the LLM and its KV cache", "services.verifier.main",
+                            "add_args", "run"),
+    ("serve", "speculator"): ("SSMs and drafters: token trees", "services.speculator.main",
+                              "add_args", "run"),
+    ("serve", "router"): ("the public API and the scheduler", "services.router.main",
+                          "add_args", "run"),
+    ("boost-tune", None): ("train a boost-tuned SSM pool", "specinfer.training.commands",
+                           "add_boost_args", "boost_tune"),
+    ("train-head", None): ("train a draft head on the LLM's features from a boost-tune run's "
+                           "data", "specinfer.training.commands", "add_head_args",
+                           "train_head"),
+    ("up", None): ("the whole stack on this machine", "services.stack", "add_args", "run"),
+    ("generate", None): ("generate through a running stack", "services.generate", "add_args",
+                         "run"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with ``only``, the flags of that command alone are filled in."""
+    parser = argparse.ArgumentParser(prog="specinfer", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run one service, as the Helm chart does")
+    roles = serve.add_subparsers(dest="role", required=True)
+    for (command, role), (text, module, add_args, _) in COMMANDS.items():
+        p = roles.add_parser(role, help=text) if role else sub.add_parser(command, help=text)
+        if only in (None, command):
+            getattr(importlib.import_module(module), add_args)(p)
+    return parser
+
+
+def _command(argv: list[str]) -> str | None:
+    """The command named in ``argv`` (None for none, e.g. a bare ``--help``)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--log-level")
+    pre.add_argument("command", nargs="?")
+    known, _ = pre.parse_known_args(argv)
+    return known.command if (known.command, None) in COMMANDS or known.command == "serve" \
+        else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(_command(argv)).parse_args(argv)
+    from specinfer.logs import setup_logging
+
+    role = getattr(args, "role", None)
+    setup_logging(f"{args.command}-{role or ''}".strip("-"), args.log_level)
+    _, module, _, run = COMMANDS[(args.command, role)]
+    try:
+        return getattr(importlib.import_module(module), run)(args)
+    except ModelError as exc:
+        print(f"specinfer: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

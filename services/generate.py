@@ -1,0 +1,59 @@
+"""``specinfer generate``: one request through a running stack, with the gRPC SDK."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt")
+    p.add_argument("--addr", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="apply the chat template")
+    p.add_argument("--no-speculation", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--timeout", type=float, default=600.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from specinfer.client import Client, SpecInferError
+
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, speculation=not args.no_speculation)
+    if args.chat:
+        kwargs["messages"] = [{"role": "user", "content": args.prompt}]
+        prompt = None
+    else:
+        prompt = args.prompt
+    start = time.perf_counter()
+    try:
+        with Client(args.addr, timeout=args.timeout) as client:
+            if args.json:
+                out = client.generate(prompt, **kwargs)
+                elapsed = time.perf_counter() - start
+                print(json.dumps({"text": out.text, "token_ids": out.token_ids,
+                                  "finish_reason": out.finish_reason, "steps": out.steps,
+                                  "accepted_per_step": out.accepted_per_step,
+                                  "speculative_steps": out.stats.speculative_steps,
+                                  "speculate_s": round(out.stats.speculate_s, 4),
+                                  "verify_s": round(out.stats.verify_s, 4),
+                                  "prompt_tokens": out.prompt_tokens,
+                                  "elapsed_s": round(elapsed, 4),
+                                  "tokens_per_s": round(len(out.token_ids) / elapsed, 2),
+                                  "dtype": out.dtype}))
+            else:
+                for chunk in client.stream(prompt, **kwargs):
+                    print(chunk.text, end="", flush=True)
+                print()
+    except SpecInferError as exc:
+        print(f"specinfer: {exc}", file=sys.stderr)
+        return 1
+    return 0

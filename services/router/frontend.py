@@ -1,0 +1,306 @@
+"""What both public APIs share: turning their input into a ``GenRequest`` (tokenizer, chat
+template, validation: each request is validated here, once) and following a request's
+stream (text deltas with stop strings held back, token bytes and offsets for logprobs).
+``server.py`` (gRPC) and ``openai_http.py`` (HTTP) only translate to and from their wire
+formats."""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+from services.router.request import GenRequest
+from specinfer.chat import chat_ids
+from specinfer.errors import InvalidArgument, check_token_ids
+from specinfer.sampling import MAX_LOGPROBS, SamplingParams
+from specinfer.v1 import router_pb2
+from specinfer.wire import sampling_from_proto
+
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_CHOICES = 8
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE (GPT-2 and its descendants, SmolLM2 among them) spells byte b as
+    chr(b) when b is a printable Latin-1 character, else as chr(256 + k) for the k-th
+    byte that is not."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    others = (b for b in range(256) if b not in printable)
+    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
+
+
+BYTE_OF_CHAR = _byte_level_alphabet()
+
+
+@dataclass
+class Frontend:
+    """Tokenizer, chat template and model name: what turns API input into a GenRequest."""
+
+    tokenizer: object
+    model_name: str
+    vocab_size: int
+    dtype: str = "float32"
+    _token_bytes: dict[int, bytes] = field(default_factory=dict, repr=False)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        for i, m in enumerate(messages):
+            if m.get("role") not in ("system", "user", "assistant"):
+                raise InvalidArgument(f"messages[{i}].role", "must be system, user or assistant")
+            if not isinstance(m.get("content"), str):
+                raise InvalidArgument(f"messages[{i}].content", "must be a string")
+        return chat_ids(self.tokenizer, messages)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Tokens ``decode(skip_special_tokens=True)`` leaves out of the text."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        return frozenset(self.tokenizer.all_special_ids) | {
+            i for i, tok in added.items() if getattr(tok, "special", False)}
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[int, str]:
+        """Tokens added to the vocabulary: raw text, not spelled in the BPE alphabet."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        return {i: str(getattr(tok, "content", tok)) for i, tok in added.items()}
+
+    @functools.cached_property
+    def byte_level(self) -> bool:
+        """Whether the vocabulary spells tokens in the byte-level alphabet (checked on text
+        that needs it: a space, a Latin-1 letter, a 4-byte emoji)."""
+        sample = " é\U0001F600"
+        pieces = self.tokenizer.convert_ids_to_tokens(self.encode_prompt(sample))
+        spelled = [BYTE_OF_CHAR.get(c) for p in pieces for c in p]
+        return None not in spelled and bytes(spelled) == sample.encode()
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes: raw, so a token holding part of a UTF-8 character (an
+        emoji split over tokens) is exact; special tokens as their text."""
+        out = self._token_bytes.get(token)
+        if out is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token)
+            if token in self.added_tokens:
+                out = self.added_tokens[token].encode()
+            elif self.byte_level:
+                out = bytes(BYTE_OF_CHAR[c] for c in piece)
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                out = bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
+            else:
+                out = piece.replace("\u2581", " ").encode()  # SentencePiece's space
+            self._token_bytes[token] = out
+        return out
+
+    def token_text(self, token: int) -> str:
+        """One token's text as logprobs show it (a partial character as U+FFFD)."""
+        return self.token_bytes(token).decode("utf-8", errors="replace")
+
+    def text_offsets(self, ids: list[int], start: int, end: int) -> list[int]:
+        """Where each of ``ids[start:end]`` begins in the text of ``ids`` (special tokens
+        are not in the text; a token that starts inside a character gets that character's
+        offset)."""
+        # Incremental: an unfinished character is held back until its last byte, and
+        # invalid bytes count as U+FFFD, as in the decoded text.
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        offsets, length = [], 0
+        for k, token in enumerate(ids[:end]):
+            if k >= start:
+                offsets.append(length)
+            if token not in self.special_ids:
+                length += len(decoder.decode(self.token_bytes(token)))
+        return offsets
+
+    def check_ids(self, field: str, ids: list[int]) -> None:
+        check_token_ids(field, ids, self.vocab_size)
+
+
+def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequest:
+    kind = msg.WhichOneof("input")
+    if kind == "prompt":
+        if not msg.prompt:
+            raise InvalidArgument("prompt", "must not be empty")
+        ids = fe.encode_prompt(msg.prompt)
+    elif kind == "prompt_token_ids":
+        ids = list(msg.prompt_token_ids.ids)
+        fe.check_ids("prompt_token_ids", ids)
+    elif kind == "chat":
+        ids = fe.encode_chat([{"role": m.role, "content": m.content}
+                              for m in msg.chat.messages])
+    else:
+        raise InvalidArgument("input", "give prompt, prompt_token_ids or chat")
+    if not ids:
+        raise InvalidArgument("prompt", "tokenizes to nothing")
+    if msg.model and msg.model != fe.model_name:
+        raise InvalidArgument("model", f"unknown model {msg.model!r}; serving {fe.model_name!r}")
+    if not 0 < msg.max_tokens <= MAX_TOKENS_LIMIT:
+        raise InvalidArgument("max_tokens", f"must be in 1..{MAX_TOKENS_LIMIT}")
+    params = sampling_from_proto(msg.sampling, "sampling")
+    fe.check_ids("stop_token_ids", list(msg.stop_token_ids))
+    return GenRequest(ids, msg.max_tokens, params,
+                      speculation=msg.speculation if msg.HasField("speculation") else True,
+                      stop=[s for s in msg.stop if s], stop_ids=set(msg.stop_token_ids),
+                      session_id=msg.session_id)
+
+
+class Generation:
+    """Follows one request's events; yields (new ids, text delta, their logprobs) and ends
+    with its finish."""
+
+    def __init__(self, req: GenRequest, fe: Frontend) -> None:
+        self.req, self.fe = req, fe
+        self.sent_text = ""
+        self.sent_tokens = 0
+
+    def _text(self, final: bool) -> str:
+        text = self.fe.decode(self.req.generated)
+        for stop in self.req.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                text = text[:cut]
+        if not final:
+            text = text.rstrip("\ufffd")  # hold back an incomplete UTF-8 sequence
+            # ... and text that may be the start of a stop string, so no part of a stop
+            # string is ever streamed (as with TGI and vLLM).
+            held = max((k for stop in self.req.stop for k in range(1, len(stop))
+                        if text.endswith(stop[:k])), default=0)
+            text = text[: len(text) - held]
+        return text
+
+    async def deltas(self):
+        while True:
+            kind, payload = await self.req.events.get()
+            if kind == "error":
+                raise payload
+            final = kind == "done"
+            text = self._text(final)
+            delta = text[len(self.sent_text):] if text.startswith(self.sent_text) else ""
+            self.sent_text = text if delta or final else self.sent_text
+            new = payload if kind == "tokens" else []
+            start, self.sent_tokens = self.sent_tokens, self.sent_tokens + len(new)
+            yield new, delta, self.req.logprobs[start:self.sent_tokens]
+            if final:
+                return
+
+
+# --- the OpenAI API's request bodies ------------------------------------------------
+
+
+def _number(body: dict, name: str, default, kind=float):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(name, "must be a number")
+    if kind is int and int(value) != value:
+        raise InvalidArgument(name, "must be an integer")
+    return kind(value)
+
+
+def _choices(body: dict) -> int:
+    n = _number(body, "n", 1, int)
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidArgument("n", f"must be an integer in 1..{MAX_CHOICES}")
+    return n
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token to report, or None for no logprobs: chat takes
+    ``logprobs: true`` with ``top_logprobs: N``, completions ``logprobs: N``."""
+    field = "top_logprobs" if chat else "logprobs"
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise InvalidArgument("logprobs", "must be a boolean")
+        if body.get("top_logprobs") is not None and not wanted:
+            raise InvalidArgument("top_logprobs", "needs logprobs: true")
+        if not wanted:
+            return None
+    elif body.get("logprobs") is None:
+        return None
+    top = _number(body, field, 0, int)
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidArgument(field, f"must be an integer in 0..{MAX_LOGPROBS}")
+    return top
+
+
+def _params(body: dict, chat: bool) -> SamplingParams:
+    temperature = _number(body, "temperature", 1.0)
+    top_p = _number(body, "top_p", 1.0)
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise InvalidArgument("seed", "must be a non-negative integer")
+    try:
+        return SamplingParams(temperature=temperature, top_k=_number(body, "top_k", 0, int),
+                              top_p=top_p, min_p=_number(body, "min_p", 0.0), seed=seed,
+                              logprobs=_logprobs(body, chat))
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise InvalidArgument(field, str(exc)) from exc
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+        return stop
+    raise InvalidArgument("stop", "must be a string or a list of up to 16 strings")
+
+
+def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
+    """An OpenAI completions (or, with ``chat``, chat completions) body as scheduler
+    requests, one per choice (``n``); seeded choices get seeds seed, seed+1, ... so that
+    each is reproducible and they differ."""
+    ids = _chat_ids(fe, body) if chat else _prompt_ids(fe, body)
+    n = _choices(body)
+    params = _params(body, chat)
+    out = []
+    for i in range(n):
+        p = params if params.seed is None else dataclasses.replace(params,
+                                                                    seed=params.seed + i)
+        out.append(_openai_request(body, ids, None if chat else 16, p))
+    return out
+
+
+def _prompt_ids(fe: Frontend, body: dict) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return fe.encode_prompt(prompt) if prompt else []
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        fe.check_ids("prompt", prompt)
+        return prompt
+    raise InvalidArgument("prompt", "must be a string or a list of token ids")
+
+
+def _chat_ids(fe: Frontend, body: dict) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument("messages", "must be a non-empty list")
+    if not all(isinstance(m, dict) for m in messages):
+        raise InvalidArgument("messages", "each message must be an object")
+    return fe.encode_chat(messages)
+
+
+def _openai_request(body: dict, ids: list[int], default_max: int | None,
+                    params: SamplingParams) -> GenRequest:
+    if not ids:
+        raise InvalidArgument("prompt", "must not be empty")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
+    if max_tokens is None:
+        max_tokens = MAX_TOKENS_LIMIT
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) \
+            or not 0 < max_tokens <= MAX_TOKENS_LIMIT:
+        raise InvalidArgument("max_tokens", f"must be an integer in 1..{MAX_TOKENS_LIMIT}")
+    spec = body.get("speculation", True)
+    return GenRequest(ids, max_tokens, params, speculation=bool(spec),
+                      stop=_stop(body), session_id=str(body.get("user") or ""))

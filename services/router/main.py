@@ -1,0 +1,91 @@
+"""``specinfer serve router``: the router's flags and how it is put together (tokenizer,
+scheduler, the gRPC servicer and the OpenAI HTTP API)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import grpc
+
+from services.router.policy import SPECULATION_CHOICES
+from specinfer.models import DEFAULT_LLM
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llm", default=DEFAULT_LLM, help="for the tokenizer and chat template")
+    p.add_argument("--model-name", default="", help="name in the API (default: --llm)")
+    p.add_argument("--verifier", action="append", required=True, help="verifier address")
+    p.add_argument("--speculator", action="append", default=[], help="speculator address")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI API port (0 = off)")
+    p.add_argument("--max-waiting", type=int, default=64, help="queued requests at most")
+    p.add_argument("--spec-max-batch", type=int, default=2,
+                   help="above this many live sequences, decode without speculation (below, "
+                        "the router measures whether speculating pays). The default is "
+                        "measured on a 2-core CPU verifier, where speculating batches of 4 "
+                        "lost in every run and the policy's short tries did not always see "
+                        "it; raise it where verifying wider batches is cheap (a GPU)")
+    p.add_argument("--speculation", choices=tuple(SPECULATION_CHOICES), default="adaptive",
+                   help="adaptive: per batch size, the mode that measures fastest (plain "
+                        "steps included); always: the SSM tree on every step; overlap: the "
+                        "SSM tree, drafting for one micro-batch while the other is verified; "
+                        "lookup: 2 model-free draft tokens drafted by the verifier, every step; "
+                        "head: the verifier's draft head and model-free drafts (16 nodes), "
+                        "every step")
+
+
+def run(args: argparse.Namespace) -> int:
+    asyncio.run(serve(args))
+    return 0
+
+
+async def serve(args: argparse.Namespace, grace_s: float = 10.0) -> None:
+    from services.router.frontend import Frontend
+    from services.router.openai_http import start_http
+    from services.router.scheduler import Scheduler
+    from services.router.server import RouterServicer
+    from specinfer.grpc_server import Service
+    from specinfer.models import load_tokenizer
+    from specinfer.v1 import router_pb2, router_pb2_grpc
+
+    service = Service("router", args.host, args.port)
+    servicer = RouterServicer()
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, service.server)
+    service.add(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)
+    await service.start()
+    loop = asyncio.get_running_loop()
+    tokenizer = await loop.run_in_executor(None, load_tokenizer, args.llm)
+    scheduler = Scheduler(args.verifier, args.speculator or [],
+                          eos_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
+                          else [],
+                          max_waiting=args.max_waiting, spec_max_batch=args.spec_max_batch,
+                          speculation=args.speculation,
+                          detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    info = await _retry(scheduler.start)
+    frontend = Frontend(tokenizer, args.model_name or args.llm, info["vocab_size"],
+                        info["dtype"])
+    servicer.scheduler, servicer.fe = scheduler, frontend
+    http = None
+    if args.http_port:
+        http = await start_http(scheduler, frontend, args.host, args.http_port)
+    await service.set_serving()
+
+    async def stop() -> None:
+        if http is not None:
+            await http.cleanup()
+        await scheduler.close()
+
+    await service.run_until_signal(grace_s, on_stop=stop)
+
+
+async def _retry(fn, attempts: int = 600, delay: float = 1.0):
+    """The verifiers may still be loading: keep asking until they answer."""
+    for i in range(attempts):
+        try:
+            return await fn()
+        except grpc.aio.AioRpcError:
+            if i == attempts - 1:
+                raise
+            await asyncio.sleep(delay)

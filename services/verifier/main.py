@@ -1,0 +1,94 @@
+"""``specinfer serve verifier``: the verifier's flags and how it is built."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from services.flags import DATASTORE_CHOICES, load_datastore, parse_expansion
+from specinfer.models import DEFAULT_LLM, ModelError
+
+log = logging.getLogger(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llm", default=DEFAULT_LLM, help="model directory, .gguf file or alias")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50053)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (DeepSpeed AutoTP)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--micro-batches", type=int, default=2,
+                   help="pipeline micro-batches per step (pp > 1)")
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--slots", type=int, default=8, help="sequences held in the KV cache at once")
+    p.add_argument("--max-tree-nodes", type=int, default=64)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0 = auto)")
+    p.add_argument("--datastore", default="auto",
+                   help="corpus drafts for Verify items that ask the verifier to draft: " +
+                        DATASTORE_CHOICES)
+    p.add_argument("--draft-head", default="auto",
+                   help="a draft head on the LLM's features (specinfer train-head): auto (the "
+                        "bundled one for the LLM, if any, with --tp 1 --pp 1), none, or a "
+                        "directory")
+    p.add_argument("--head-tree", choices=("dynamic", "static"), default="dynamic",
+                   help="the draft head's tree for greedy sequences: dynamic (its most "
+                        "probable paths, EAGLE-2 style) or static (--head-expansion); "
+                        "sampled sequences always get the static one")
+    p.add_argument("--head-expansion", default="2,1,1,1",
+                   help="the draft head's static tree: children per level (default: 2 "
+                        "candidates, each continued by a chain of 3)")
+    p.add_argument("--head-nodes", type=int, default=8,
+                   help="the most nodes of a step's tree the draft head drafts; model-free "
+                        "drafts fill the rest of the step's budget")
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.verifier.engine import EngineConfig
+    from services.verifier.parallel import build_engine
+    from services.verifier.server import serve
+
+    expansion = tuple(parse_expansion(args.head_expansion, "--head-expansion"))
+    if not 1 <= args.head_nodes <= args.max_tree_nodes:
+        raise ModelError(f"--head-nodes must be in 1..--max-tree-nodes "
+                         f"({args.max_tree_nodes}); got {args.head_nodes}")
+    config = EngineConfig(max_context=args.max_context, slots=args.slots,
+                          max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
+                          head_expansion=expansion, head_dynamic=args.head_tree == "dynamic",
+                          head_nodes=args.head_nodes)
+    head = _draft_head(args.draft_head, args.llm, args.tp * args.pp > 1)
+
+    def build():
+        from specinfer.drafting.model_free import ModelFreeDrafter
+
+        drafter = ModelFreeDrafter(load_datastore(args.datastore, args.llm))
+        return build_engine(args.llm, config, tp=args.tp, pp=args.pp,
+                            micro_batches=args.micro_batches, threads=args.threads,
+                            drafter=drafter, head=head)
+
+    asyncio.run(serve(build, args.host, args.port))
+    return 0
+
+
+def _draft_head(ref: str, llm: str, parallel: bool) -> str | None:
+    """The draft head directory --draft-head names, or None."""
+    from pathlib import Path
+
+    from specinfer.drafting.head import HEAD_MANIFEST, bundled_head
+
+    if ref == "none":
+        return None
+    if ref == "auto":
+        path = bundled_head(llm)
+        if path is not None and parallel:
+            log.info("draft head off: it reads the LLM's features in one process (tp = pp = 1)")
+            return None
+        return str(path) if path else None
+    if parallel:
+        raise ModelError("--draft-head needs --tp 1 --pp 1 (it reads the LLM's features in "
+                         "the verifier's own process)")
+    if not (Path(ref).expanduser() / HEAD_MANIFEST).exists():
+        raise ModelError(f"--draft-head {ref!r}: no {HEAD_MANIFEST} there (auto, none or a "
+                         "directory written by `specinfer train-head`)")
+    return ref

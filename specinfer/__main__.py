@@ -1,5 +1,0 @@
-import sys
-
-from specinfer.cli import main
-
-sys.exit(main())

@@ -1,0 +1,47 @@
+"""Every draft source behind one interface: ``Drafter.propose(requests) -> trees``.
+
+Sources: small speculative models (``ssm.SSMDrafter``), the draft head on the LLM's own
+features (``head.FeatureDrafter``), and the model-free drafts (``model_free.ModelFreeDrafter``:
+prompt lookup in the sequence's own tokens and the corpus n-gram datastore). A drafter
+proposes one token tree per request, below the request's last context token, within the
+request's node budget; each node records which source drafted it and the proposal it was
+drawn from (a one-hot for deterministic drafts), as stochastic verification needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specinfer.sampling import SamplingParams
+from specinfer.tree import TokenTree
+
+
+@dataclass
+class DraftRequest:
+    sequence_id: str
+    context: list[int]  # prompt + generated; the last token is the tree's root
+    expansion: list[int] = field(default_factory=lambda: [1, 1, 3, 1, 1, 1, 1, 1])
+    params: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None
+    dynamic: bool = False  # greedy requests only
+    max_nodes: int = 64
+    # A feature drafter's input (``head.FeatureDrafter``): the LLM's features of every
+    # context token but the root, ``[len(context) - 1, hidden]``.
+    features: torch.Tensor | None = None
+
+
+class Drafter(Protocol):
+    """A draft source. ``source``: the id its drafts carry in the trees it proposes."""
+
+    source: int
+
+    def propose(self, requests: list[DraftRequest]) -> list[TokenTree]:
+        """One tree per request, in order, each of at most ``request.max_nodes`` nodes."""
+        ...
+
+    def forget(self, sequence_id: str) -> None:
+        """Drop whatever is kept for a finished sequence (a cache, nothing else)."""
+        ...

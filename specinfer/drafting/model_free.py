@@ -1,0 +1,63 @@
+"""Model-free drafts: the corpus datastore and prompt lookup, merged into one tree.
+
+These drafts need no model and cost microseconds, so they are made wherever the token
+history already is: in the speculator beside the SSMs, and in the verifier itself
+(``VerifyItem.draft_nodes``), which spares the router a Speculate call, and the history's
+transfer, on every step of the model-free speculation modes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specinfer.drafting import DraftRequest
+from specinfer.drafting.datastore import NgramDatastore
+from specinfer.drafting.prompt_lookup import prompt_lookup_tree
+from specinfer.tree import TokenTree, merge_trees
+
+
+@dataclass
+class ModelFreeDrafter:
+    datastore: NgramDatastore | None = None
+    prompt_lookup: bool = True  # in the sequence's own tokens
+    prompt_lookup_depth: int = 6
+    prompt_lookup_branches: int = 2
+    datastore_depth: int = 3
+    source: int = 0  # draft source ids: prompt lookup's, then the datastore's
+    vocab_size: int | None = None  # datastore drafts outside it are dropped
+
+    @property
+    def prompt_lookup_source(self) -> int:
+        return self.source
+
+    @property
+    def datastore_source(self) -> int:
+        return self.source + (1 if self.prompt_lookup else 0)
+
+    @property
+    def sources(self) -> int:
+        return (1 if self.prompt_lookup else 0) + (1 if self.datastore is not None else 0)
+
+    def propose(self, requests: list[DraftRequest]) -> list[TokenTree]:
+        return [self.tree(r.context, r.max_nodes) for r in requests]
+
+    def forget(self, sequence_id: str) -> None:
+        pass  # nothing is kept per sequence
+
+    def tree(self, context: Sequence[int], max_nodes: int) -> TokenTree:
+        """One tree of at most ``max_nodes`` nodes below ``context``'s last token. The
+        drafts are deterministic (one-hot proposals), so the merged tree may be cut to the
+        budget; the best evidence comes first: the corpus datastore, then prompt lookup."""
+        if max_nodes <= 0:
+            return TokenTree()
+        trees = []
+        if self.datastore is not None:
+            trees.append(self.datastore.tree(context, self.datastore_depth,
+                                             self.datastore_source, self.vocab_size))
+        if self.prompt_lookup:
+            trees.append(prompt_lookup_tree(context, self.prompt_lookup_depth,
+                                            branches=self.prompt_lookup_branches,
+                                            source=self.prompt_lookup_source,
+                                            max_nodes=max_nodes))
+        return merge_trees(trees, max_nodes=max_nodes)

@@ -1,0 +1,19 @@
+"""Network settings every process shares, servers and the client SDK alike (grpcio only):
+message size limits, and a free loopback port for processes started on this machine."""
+
+from __future__ import annotations
+
+import socket
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free at the time of asking."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
