@@ -246,13 +246,13 @@ def main() -> None:
             results["draft_cost"].append(c)
             print(f"{name}: one draft level {c['ssm_level_ms']:.1f} ms vs LLM step "
                   f"{c['llm_step_ms']:.1f} ms = {c['ratio']:.3f}")
-        plain = run(engine, SpeculatorEngine([], vocab, ngram=False), prompts, args.new_tokens,
-                    greedy, [0])
+        plain = run(engine, SpeculatorEngine([], vocab, prompt_lookup=False), prompts,
+                    args.new_tokens, greedy, [0])
         plain_tps = plain["tokens_per_s"]
         print(f"\n{'config':<62} {'acc/step':>9} {'tok/s':>7} {'vs plain':>9}")
         print(f"{'no speculation':<62} {1.0:>9.2f} {plain_tps:>7.1f} {1.0:>9.2f}")
         for name, pool, ngram, datastore, params, shape, budget in configs:
-            spec = SpeculatorEngine(pool, vocab, ngram=ngram, expansion=shape, max_nodes=64,
+            spec = SpeculatorEngine(pool, vocab, prompt_lookup=ngram, expansion=shape, max_nodes=64,
                                     datastore=datastore)
             for d in pool:
                 d.entries.clear()

@@ -57,6 +57,12 @@ def tree_to_proto(tree: TokenTree) -> common_pb2.TokenTree:
     return msg
 
 
+def tree_shape_to_proto(tree: TokenTree | None) -> common_pb2.TokenTree | None:
+    """A tree's tokens and parents only (a shadow draft: measured, never verified)."""
+    return None if tree is None else common_pb2.TokenTree(tokens=tree.tokens,
+                                                          parents=tree.parents)
+
+
 def tree_from_proto(msg: common_pb2.TokenTree) -> TokenTree:
     """Validates the structure (raises ``ValueError`` naming the bad field)."""
     drafts = []

@@ -88,7 +88,7 @@ def test_speculator_model_free_drafts_fit_the_budget_and_skip_the_ssms(tmp_path)
     ssm = SSMDrafter(model, 0, slots=2, max_context=64, vocab_ids=vocab_ids)
     store = NgramDatastore.build([[5, 6, 7, 8, 9]] * 2, max_n=2)
     engine = SpeculatorEngine([ssm], 128, expansion=[2, 1], max_nodes=16, datastore=store,
-                              ngram_depth=3, ngram_branches=1)
+                              prompt_lookup_depth=3, prompt_lookup_branches=1)
     context = [1, 2, 3, 1, 2, 4, 5, 6]
     cheap = engine.speculate([SpeculateSpec("s", context, expansion=[0], max_nodes=16)])[0]
     assert {d.source for ds in cheap.drafts for d in ds} == {2}  # the datastore; no SSM

@@ -1,63 +1,63 @@
 """The router's adaptive speculation policy: measured per batch size, self-correcting, and
-choosing among plain decoding (arm 0) and several speculation modes."""
+choosing among plain decoding (mode 0) and several speculation modes."""
 
 import pytest
 
 from services.router.policy import SpeculationPolicy
 
 
-def step(policy: SpeculationPolicy, batch: int, arm: int, rate: float,
+def step(policy: SpeculationPolicy, batch: int, mode: int, rate: float,
          per_sequence: float = 2.0) -> None:
-    """Record a step of ``arm`` delivering ``rate`` tokens per second; a speculating arm
+    """Record a step of ``mode`` delivering ``rate`` tokens per second; a speculating mode
     emits ``per_sequence`` tokens per sequence, plain decoding 1."""
-    tokens = per_sequence if arm else 1
-    policy.record(batch, True, arm, seconds=batch * tokens / rate,
-                  per_sequence={f"s{i}": tokens for i in range(batch)} if arm else None)
+    tokens = per_sequence if mode else 1
+    policy.record(batch, True, mode, seconds=batch * tokens / rate,
+                  per_sequence={f"s{i}": tokens for i in range(batch)} if mode else None)
 
 
 def run(policy: SpeculationPolicy, batch: int, rates: list[float], steps: int) -> list[int]:
-    """``rates[arm]``: the tokens per second each arm delivers."""
-    arms = []
+    """``rates[mode]``: the tokens per second each mode delivers."""
+    modes = []
     for _ in range(steps):
-        arm = policy.choose(batch, greedy=True)
-        step(policy, batch, arm, rates[arm])
-        arms.append(arm)
-    return arms
+        mode = policy.choose(batch, greedy=True)
+        step(policy, batch, mode, rates[mode])
+        modes.append(mode)
+    return modes
 
 
 def test_takes_the_faster_arm_and_explores_the_other():
     policy = SpeculationPolicy(2, explore_every=8, max_explore_every=8)
-    arms = run(policy, 1, [10, 30], steps=66)
-    assert arms[:2] == [1, 0]  # both measured first, speculation first
-    assert arms[2:].count(0) == 8  # then one step in 8 explores
-    arms = run(SpeculationPolicy(2, explore_every=8, max_explore_every=8), 1, [10, 8], 66)
-    assert arms[2:].count(1) == 8
+    modes = run(policy, 1, [10, 30], steps=66)
+    assert modes[:2] == [1, 0]  # both measured first, speculation first
+    assert modes[2:].count(0) == 8  # then one step in 8 explores
+    modes = run(SpeculationPolicy(2, explore_every=8, max_explore_every=8), 1, [10, 8], 66)
+    assert modes[2:].count(1) == 8
 
 
 def test_chooses_among_several_modes_and_tries_each_in_turn():
     policy = SpeculationPolicy(4, explore_every=12, max_explore_every=12)
-    arms = run(policy, 1, [10, 14, 12, 9], steps=4 + 38)
-    assert arms[:4] == [1, 2, 3, 0]
-    rest = arms[4:]
-    assert rest.count(1) == 29  # the fastest mode, but each other arm every 12 steps
+    modes = run(policy, 1, [10, 14, 12, 9], steps=4 + 38)
+    assert modes[:4] == [1, 2, 3, 0]
+    rest = modes[4:]
+    assert rest.count(1) == 29  # the fastest mode, but each other mode every 12 steps
     assert [a for a in rest if a != 1] == [0, 2, 3] * 3
 
 
 def test_exploration_backs_off_while_it_confirms_the_decision():
     policy = SpeculationPolicy(2, explore_every=8, max_explore_every=64, explore_cost=1.0)
-    arms = run(policy, 1, [10, 8], steps=2 + 8 + 16 + 32 + 64 + 64)
-    explored = [i for i, a in enumerate(arms[2:], 1) if a == 1]
+    modes = run(policy, 1, [10, 8], steps=2 + 8 + 16 + 32 + 64 + 64)
+    explored = [i for i, a in enumerate(modes[2:], 1) if a == 1]
     assert explored == [8, 24, 56, 120, 184]  # 8, 16, 32, 64, then capped at 64
 
 
 def test_an_arm_that_loses_by_far_is_tried_rarely_from_the_start():
     policy = SpeculationPolicy(3, explore_every=8, max_explore_every=128, explore_cost=0.02)
-    arms = run(policy, 1, [10, 9, 4], steps=3 + 200)
-    rest = arms[3:]
+    modes = run(policy, 1, [10, 9, 4], steps=3 + 200)
+    rest = modes[3:]
     # Arm 2 runs at 0.4x: a try costs 1.5 steps, so tries come >= 75 steps apart.
     tries = [i for i, a in enumerate(rest) if a == 2]
     assert len(tries) == 2 and tries[1] - tries[0] >= 74  # 75, less float rounding
-    assert rest.count(1) == 4  # the close arm: tried after 8, 16, 32, 64 steps
+    assert rest.count(1) == 4  # the close mode: tried after 8, 16, 32, 64 steps
 
 
 def test_an_exploration_that_wins_resets_the_backoff():
@@ -83,10 +83,10 @@ def test_noise_within_the_margin_does_not_flip_the_choice():
 
 def test_an_arm_that_lost_by_far_at_a_smaller_batch_starts_as_a_loser():
     policy = SpeculationPolicy(3, explore_every=8, max_explore_every=64)
-    run(policy, 1, [10, 12, 5], steps=20)  # arm 2 at 0.42x the best at batch 1
-    arms = run(policy, 2, [10, 11, 5], steps=70)
-    assert arms[:2] == [1, 0]  # arm 2 is not measured first at batch 2...
-    assert 2 not in arms[:60] and 2 in arms[60:]  # ...but tried after max_explore_every
+    run(policy, 1, [10, 12, 5], steps=20)  # mode 2 at 0.42x the best at batch 1
+    modes = run(policy, 2, [10, 11, 5], steps=70)
+    assert modes[:2] == [1, 0]  # mode 2 is not measured first at batch 2...
+    assert 2 not in modes[:60] and 2 in modes[60:]  # ...but tried after max_explore_every
     assert policy.choose(8, greedy=True) == 1  # batch 8: the nearest measured size (2) says
     assert policy.choose(4, greedy=False) == 1  # other kinds of batch: measured as usual
 
@@ -103,23 +103,23 @@ def test_batch_sizes_and_kinds_are_measured_apart():
 def test_a_stale_estimate_is_corrected_by_exploration():
     policy = SpeculationPolicy(2, explore_every=4)
     run(policy, 2, [10, 30], steps=20)
-    arms = run(policy, 2, [10, 5], steps=40)  # speculation stopped paying
-    assert arms[-1] == 0 and sum(arms[-12:]) <= 3  # only exploring steps speculate
+    modes = run(policy, 2, [10, 5], steps=40)  # speculation stopped paying
+    assert modes[-1] == 0 and sum(modes[-12:]) <= 3  # only exploring steps speculate
 
 
 def test_an_arm_that_cannot_run_on_this_batch_is_never_chosen():
-    """Micro-batch overlap needs two speculating sequences: with one, its arm is skipped,
+    """Micro-batch overlap needs two speculating sequences: with one, its mode is skipped,
     even where it is the usual choice of the bucket, and it is not counted down."""
     policy = SpeculationPolicy(3, explore_every=4, max_explore_every=4)
-    run(policy, 2, [10, 12, 30], steps=20)  # arm 2 (overlap) wins at batch 2
+    run(policy, 2, [10, 12, 30], steps=20)  # mode 2 (overlap) wins at batch 2
     assert policy.choice[(2, True)] == 2
     countdown = policy.countdown[(2, True, 1)]
-    arms = []
+    modes = []
     for _ in range(12):
-        arm = policy.choose(2, True, skip=frozenset({2}))
-        step(policy, 2, arm, rate=10 + 2 * arm)
-        arms.append(arm)
-    assert 2 not in arms and arms.count(1) == 12  # the best of the rest, every step
+        mode = policy.choose(2, True, skip=frozenset({2}))
+        step(policy, 2, mode, rate=10 + 2 * mode)
+        modes.append(mode)
+    assert 2 not in modes and modes.count(1) == 12  # the best of the rest, every step
     assert policy.countdown[(2, True, 1)] == countdown
     assert SpeculationPolicy(3).choose(2, True, skip=frozenset({2})) == 1
 
@@ -146,14 +146,14 @@ def test_each_sequence_speculates_where_its_own_drafts_fit():
     policy = SpeculationPolicy(2, explore_every=8, max_explore_every=8)
 
     def generate(sequence: str, fit: int, steps: int) -> list[int]:
-        arms = []
+        modes = []
         for _ in range(steps):
-            arm = policy.choose(1, True, sequences=(sequence,))
-            policy.record(1, True, arm, seconds=1.1 if arm else 1.0,
-                          per_sequence={sequence: fit} if arm else None)
-            arms.append(arm)
+            mode = policy.choose(1, True, sequences=(sequence,))
+            policy.record(1, True, mode, seconds=1.1 if mode else 1.0,
+                          per_sequence={sequence: fit} if mode else None)
+            modes.append(mode)
         policy.forget(sequence)
-        return arms
+        return modes
 
     fits = generate("fits", 2, 60)
     assert fits[2:].count(1) >= 50
@@ -165,7 +165,7 @@ def test_each_sequence_speculates_where_its_own_drafts_fit():
 
 
 def test_shadow_yields_measure_an_arm_without_running_it():
-    """Yields recorded for an arm that did not run (the verifier's shadow drafts) move its
+    """Yields recorded for a mode that did not run (the verifier's shadow drafts) move its
     rate: here they show speculation would pay, and the policy switches to it."""
     policy = SpeculationPolicy(2, explore_every=1000)
     policy.record(1, True, 1, seconds=1.1, per_sequence={"a": 1})

@@ -35,9 +35,9 @@ def test_merged_tree_is_the_union_of_every_source(tiny_llama, second_llama):
     merged = engine.speculate([SpeculateSpec("s", context)])[0]
     alone = [drafter(ref, i).propose([DraftRequest("x", context, [2, 2, 1], max_nodes=20)])[0]
              for i, ref in enumerate((tiny_llama, second_llama))]
-    ngram = prompt_lookup_tree(context, 6, branches=2, source=2, max_nodes=20)
-    assert len(ngram) > 0
-    assert merged.paths() == alone[0].paths() | alone[1].paths() | ngram.paths()
+    lookup = prompt_lookup_tree(context, 6, branches=2, source=2, max_nodes=20)
+    assert len(lookup) > 0
+    assert merged.paths() == alone[0].paths() | alone[1].paths() | lookup.paths()
     sources = {d.source for drafts in merged.drafts for d in drafts}
     assert sources == {0, 1, 2}
 
@@ -48,7 +48,7 @@ def test_truncated_ssm_reference(tiny_llama):
     assert vocab_ids is None
 
 
-def test_ngram_tree_follows_earlier_occurrences():
+def test_prompt_lookup_tree_follows_earlier_occurrences():
     tree = prompt_lookup_tree([1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2, 3], 3, branches=2)
     assert tree.paths() == {(7,), (7, 1), (7, 1, 2), (4,), (4, 9), (4, 9, 1)}
     assert len(prompt_lookup_tree([1, 2, 3], 4)) == 0
@@ -101,7 +101,7 @@ def test_sampling_params_validation():
         SamplingParams(temperature=1, min_p=2)
 
 
-def test_ngram_continuations_cut_short_by_the_context_end_are_lengthened():
+def test_prompt_lookup_continuations_cut_short_by_the_context_end_are_lengthened():
     """The most recent match of a repeated token leaves one token to follow it; later
     matches extend that branch instead of taking the second one."""
     tree = prompt_lookup_tree([5, 9, 9, 9, 9, 9], 4, branches=2, max_n=1)

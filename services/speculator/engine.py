@@ -42,9 +42,9 @@ class SpeculateSpec:
 
 
 class SpeculatorEngine:
-    def __init__(self, pool: list[SSMDrafter], vocab_size: int, *, ngram: bool = True,
+    def __init__(self, pool: list[SSMDrafter], vocab_size: int, *, prompt_lookup: bool = True,
                  expansion: list[int] | None = None, max_nodes: int = 64,
-                 ngram_depth: int = 6, ngram_branches: int = 2,
+                 prompt_lookup_depth: int = 6, prompt_lookup_branches: int = 2,
                  datastore: NgramDatastore | None = None, datastore_depth: int = 3) -> None:
         self.pool = pool
         # The SSMs draft concurrently: their forwards are small (a few rows), so torch's
@@ -54,7 +54,8 @@ class SpeculatorEngine:
         self.vocab_size = vocab_size
         self.expansion = expansion or DEFAULT_EXPANSION
         self.max_nodes = max_nodes
-        self.model_free = ModelFreeDrafter(datastore, ngram, ngram_depth, ngram_branches,
+        self.model_free = ModelFreeDrafter(datastore, prompt_lookup, prompt_lookup_depth,
+                                           prompt_lookup_branches,
                                            datastore_depth, source=len(pool),
                                            vocab_size=vocab_size)
 

@@ -51,10 +51,10 @@ def build(args: argparse.Namespace):
             for source, ref in enumerate(refs)]
     expansion = parse_expansion(args.expansion, "--expansion", 0) if args.expansion else None
     datastore = load_datastore(args.datastore, args.llm)
-    log.info("speculator ready", extra={"ssms": len(pool), "ngram": not args.no_ngram,
+    log.info("speculator ready", extra={"ssms": len(pool), "prompt_lookup": not args.no_ngram,
                                         "datastore": 0 if datastore is None else len(datastore),
                                         "expansion": expansion})
-    return SpeculatorEngine(pool, vocab, ngram=not args.no_ngram, expansion=expansion,
+    return SpeculatorEngine(pool, vocab, prompt_lookup=not args.no_ngram, expansion=expansion,
                             max_nodes=args.max_nodes, datastore=datastore)
 
 

@@ -15,9 +15,13 @@ import grpc
 
 from services.verifier.engine import PrefillSpec, VerifierEngine
 from specinfer.grpc_server import abort_on_error, serve_engine
-from specinfer.tree import TokenTree
-from specinfer.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specinfer.wire import logprob_to_proto, sampling_from_proto, tree_from_proto
+from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
+from specinfer.wire import (
+    logprob_to_proto,
+    sampling_from_proto,
+    tree_from_proto,
+    tree_shape_to_proto,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +84,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                       cached_tokens=r.cached_tokens,
                                       logprobs=[logprob_to_proto(lp) for lp in r.logprobs],
                                       drafted_nodes=r.drafted_nodes,
-                                      next_draft=_shape(r.next_draft))
+                                      next_draft=tree_shape_to_proto(r.next_draft))
             for r in out
         ])
 
@@ -92,7 +96,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             verifier_pb2.DecodeResult(sequence_id=r.sequence_id, token=r.tokens[0],
                                       cached_tokens=r.cached_tokens,
                                       logprob=_first_logprob(r.logprobs),
-                                      next_draft=_shape(r.next_draft)) for r in out
+                                      next_draft=tree_shape_to_proto(r.next_draft)) for r in out
         ])
 
     async def Release(self, request, context):
@@ -103,12 +107,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Info(self, request, context):
         info = await self._call(context, "Info", self.engine.info)
         return verifier_pb2.InfoResponse(**info)
-
-
-def _shape(tree: TokenTree | None) -> common_pb2.TokenTree | None:
-    """A tree's tokens and parents only: a shadow draft is measured, never verified."""
-    return None if tree is None else common_pb2.TokenTree(tokens=tree.tokens,
-                                                          parents=tree.parents)
 
 
 def _first_logprob(logprobs: list) -> object:
