@@ -38,7 +38,10 @@ async def together(*steps: Awaitable) -> list:
     return results
 
 
-class Drafting:
+class SpeculatorPool:
+    """The router's side of the speculator pool (and of drafting in general: node
+    budgets, the overlapped step)."""
+
     def __init__(self, speculators: list[str], *, expansion: list[int] | None = None,
                  max_nodes: int = 0, timeout_s: float = 10.0, step_timeout_s: float = 60.0,
                  down_for_s: float = 5.0) -> None:

@@ -10,7 +10,8 @@ verifier that fails has its sequences re-prefilled on another replica from that 
 (greedy output is unchanged).
 
 Around it: ``request`` (the records), ``policy`` (modes and the adaptive choice),
-``replicas`` (affinity, failover, release), ``drafting`` (speculator calls, overlap).
+``replicas`` (affinity, failover, release), ``drafting`` (the speculator pool: calls,
+failover, overlap).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable
 
 import grpc
 
-from services.router.drafting import Drafting, Trees, together
+from services.router.drafting import SpeculatorPool, Trees, together
 from services.router.policy import SPECULATION_CHOICES, SpeculationMode, SpeculationPolicy
 from services.router.replicas import ReplicaSet
 from services.router.request import GenRequest, hop_timeout
@@ -43,8 +44,9 @@ class Scheduler:
                  detokenize: Callable[[list[int]], str] | None = None,
                  speculation: str = "adaptive") -> None:
         self.replicas = ReplicaSet(verifiers)
-        self.drafting = Drafting(speculators, expansion=expansion, max_nodes=max_nodes,
-                                 timeout_s=speculate_timeout_s, step_timeout_s=step_timeout_s)
+        self.speculators = SpeculatorPool(speculators, expansion=expansion,
+                                          max_nodes=max_nodes, timeout_s=speculate_timeout_s,
+                                          step_timeout_s=step_timeout_s)
         self.eos_ids = set(eos_ids)
         self.max_waiting = max_waiting
         self.spec_max_batch = spec_max_batch
@@ -67,7 +69,7 @@ class Scheduler:
     async def start(self) -> dict:
         """Query every verifier's Info (they must be up); start the loop."""
         info = await self.replicas.start()
-        await self.drafting.await_serving()
+        await self.speculators.await_serving()
         self.task = asyncio.create_task(self._loop())
         return {"vocab_size": info.vocab_size, "max_context": info.max_context,
                 "model": info.model, "dtype": info.dtype}
@@ -76,7 +78,7 @@ class Scheduler:
         if self.task:
             self.task.cancel()
         await self.replicas.close()
-        await self.drafting.close()
+        await self.speculators.close()
 
     def submit(self, req: GenRequest) -> None:
         max_context = self.replicas.max_context
@@ -188,18 +190,18 @@ class Scheduler:
         # gets a smaller tree.
         budget = max(4, 64 // max(1, len(speculate)))
         if mode.overlap and len(speculate) >= 2:
-            drafted = await self.drafting.overlapped_step(
+            drafted = await self.speculators.overlapped_step(
                 batch, speculate, budget, mode, self._verify_all, lambda r: r in self.running)
         else:
-            self.drafting.prefetched.clear()
+            self.speculators.prefetched.clear()
             shadow = len(batch) <= self.spec_max_batch
             if mode.in_verifier:
                 await self._verify_all(batch, {}, {
-                    r.id: self.drafting.node_budget(r, budget, mode) for r in speculate},
+                    r.id: self.speculators.node_budget(r, budget, mode) for r in speculate},
                     shadow, mode.draft_head)
                 drafted = True
             else:
-                trees = await self.drafting.speculate(speculate, budget, mode)
+                trees = await self.speculators.speculate(speculate, budget, mode)
                 await self._verify_all(batch, trees, shadow=shadow)
                 drafted = bool(trees)
         if self.policy and len(batch) <= self.spec_max_batch \
@@ -231,7 +233,7 @@ class Scheduler:
             return False
         if mode.in_verifier:
             return self.replicas.draft_head or not mode.draft_head
-        return bool(self.drafting.clients)
+        return bool(self.speculators.clients)
 
     async def _verify_all(self, reqs: list[GenRequest], trees: Trees,
                           draft_nodes: dict[str, int] | None = None,
