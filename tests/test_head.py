@@ -179,7 +179,7 @@ def test_a_head_for_another_llm_is_refused(tiny_llama, tmp_path):
 def test_training_targets_are_exactly_the_answer_positions():
     """Output i reads the feature of token i and token i+1 and is trained on the LLM's
     feature of token i+1 (its next token, i+2): only where that token is answer text."""
-    from specinfer.training.boost import answer_example
+    from specinfer.training.examples import answer_example
     from specinfer.training.head import _batch
 
     item = answer_example({"prompt": [5, 6, 7], "answer": [8, 9]})

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specinfer.chat import chat_ids, chat_prompt_ids
+from specinfer.chat import chat_prompt_ids
 from specinfer.data import select_conversations
 from specinfer.models import (
     SSM_MANIFEST,
@@ -53,6 +53,7 @@ from specinfer.models import (
     load_tokenizer,
     pack_int8,
 )
+from specinfer.training.examples import answer_example, conversation_examples, hidden_batches
 
 log = logging.getLogger(__name__)
 
@@ -153,52 +154,6 @@ def load_chunks(cfg: BoostConfig, prefix: str) -> list[dict]:
 # --- 3. teacher-forced distributions ------------------------------------------------------
 
 
-def conversation_example(tokenizer, turns: list[dict], max_seq: int) -> dict | None:
-    """Token ids of a conversation (chat template, truncated to ``max_seq``) and the
-    positions whose next token is assistant text (the LLM's answer, its end included)."""
-    roles = {"human": "user", "gpt": "assistant"}
-    messages, positions, ids = [], [], []
-    for turn in turns:
-        role = roles.get(turn.get("from"))
-        if role is None or not turn.get("value"):
-            break
-        if role == "assistant":
-            head = chat_ids(tokenizer, messages, True)
-        messages.append({"role": role, "content": turn["value"]})
-        full = chat_ids(tokenizer, messages, False)
-        if role == "assistant":
-            if full[: len(head)] != head:  # a template that rewrites history: stop here
-                break
-            positions.extend(range(len(head) - 1, min(len(full), max_seq) - 1))
-        ids = full
-        if len(ids) >= max_seq:
-            break
-    if not positions:
-        return None
-    return {"ids": ids[:max_seq], "pos": positions}
-
-
-def conversation_examples(tokenizer, conversations: list[list[dict]], max_seq: int
-                          ) -> list[dict]:
-    """``conversation_example`` of each conversation that has an assistant turn."""
-    items = (conversation_example(tokenizer, turns, max_seq) for turns in conversations)
-    return [e for e in items if e is not None]
-
-
-def hidden_batches(model, sequences: list[list[int]], batch: int):
-    """The LLM's normed last hidden states, ``batch`` sequences at a time, shortest first:
-    yields (indices into ``sequences``, hidden ``[b, width, H]``). Right padding: causal
-    attention never lets a real token see it."""
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    for start in range(0, len(order), batch):
-        idx = order[start : start + batch]
-        width = max(len(sequences[i]) for i in idx)
-        ids = torch.zeros(len(idx), width, dtype=torch.long)
-        for j, i in enumerate(idx):
-            ids[j, : len(sequences[i])] = torch.as_tensor(sequences[i])
-        yield idx, model.model(input_ids=ids).last_hidden_state
-
-
 @torch.inference_mode()
 def teacher_targets(model, examples: list[dict], topk: int, batch: int) -> list[dict]:
     """Adds the LLM's top-k next-token ids and probabilities at each example's positions
@@ -211,14 +166,6 @@ def teacher_targets(model, examples: list[dict], topk: int, batch: int) -> list[
             e["top_ids"] = top.indices.to(torch.int32)
             e["top_p"] = top.values.to(torch.float16)
     return examples
-
-
-def answer_example(sample: dict) -> dict:
-    """A generated answer as a teacher-forcing example."""
-    ids = sample["prompt"] + sample["answer"]
-    start = len(sample["prompt"]) - 1
-    return {"ids": ids, "pos": list(range(start, start + len(sample["answer"]))),
-            "answer": sample["answer"]}
 
 
 def run_distillation(cfg: BoostConfig, conversations: list[list[dict]], model,

@@ -30,13 +30,8 @@ from specinfer.data import select_conversations
 from specinfer.drafting.head import HEAD_MANIFEST, DraftHead, load_head
 from specinfer.models import ModelError, load_model, load_tokenizer
 from specinfer.runtime import rotate_half
-from specinfer.training.boost import (
-    answer_example,
-    conversation_examples,
-    hidden_batches,
-    optimizer_step,
-    pool_vocab,
-)
+from specinfer.training.boost import optimizer_step, pool_vocab
+from specinfer.training.examples import answer_example, conversation_examples, hidden_batches
 
 log = logging.getLogger(__name__)
 
