@@ -121,3 +121,54 @@ def test_missing_model_is_a_clear_error(tmp_path):
                          timeout=120)
     assert out.returncode == 2
     assert "not found" in out.stderr
+
+
+def test_every_rpc_is_unavailable_until_the_model_is_loaded(tiny_llama):
+    """From the moment it listens until its engine is built, every RPC answers UNAVAILABLE
+    with a message (not an internal error); then the same calls succeed."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from servers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "services", "serve", "verifier", "--llm",
+                             tiny_llama, "--port", str(port), "--max-context", "64",
+                             "--slots", "2"], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = verifier_pb2_grpc.VerifierStub(channel)
+    calls = {
+        "Info": lambda: stub.Info(verifier_pb2.InfoRequest(), timeout=5),
+        "Release": lambda: stub.Release(verifier_pb2.ReleaseRequest(sequence_ids=["x"]),
+                                        timeout=5),
+        "Decode": lambda: stub.Decode(verifier_pb2.DecodeRequest(items=[
+            verifier_pb2.DecodeItem(sequence_id="x", root_token=1)]), timeout=5),
+    }
+    seen: dict[str, set] = {name: set() for name in calls}
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                calls["Info"]()
+                break
+            except grpc.RpcError as exc:
+                seen["Info"].add(exc.code())
+                for name in ("Release", "Decode"):
+                    try:
+                        calls[name]()
+                    except grpc.RpcError as other:
+                        seen[name].add(other.code())
+                        if other.code() == grpc.StatusCode.UNAVAILABLE:
+                            assert other.details()
+            time.sleep(0.05)
+        assert stub.Release(verifier_pb2.ReleaseRequest(sequence_ids=["x"]),
+                            timeout=5).released == 0
+        assert code_of(calls["Decode"])[0] == grpc.StatusCode.INVALID_ARGUMENT  # unknown
+        for name, codes in seen.items():
+            assert codes <= {grpc.StatusCode.UNAVAILABLE}, (name, codes)
+    finally:
+        channel.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -32,6 +32,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     async def _call(self, context: grpc.aio.ServicerContext, method: str, fn, *args):
+        """``fn(engine, *args)`` on the engine's thread, its errors mapped to statuses."""
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         remaining = context.time_remaining()
@@ -39,7 +40,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed in queue")
         start = time.perf_counter()
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+            result = await asyncio.get_running_loop().run_in_executor(self.pool, fn, self.engine,
+                                                                     *args)
         except Exception as exc:  # mapped to a status; the service keeps serving
             log.info("request failed", extra={"method": method, "error": str(exc)})
             await abort_on_error(context, exc)
@@ -57,13 +59,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return items
 
     async def Prefill(self, request, context):
-        def run():
+        def run(engine: VerifierEngine):
             specs = []
             for i, item in enumerate(request.items):
                 params = sampling_from_proto(item.sampling, f"items[{i}].sampling")
                 specs.append(PrefillSpec(item.sequence_id, list(item.token_ids), params,
                                          item.session_id))
-            return self.engine.prefill(specs)
+            return engine.prefill(specs)
 
         out = await self._call(context, "Prefill", run)
         return verifier_pb2.PrefillResponse(results=[
@@ -76,7 +78,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         draft_nodes = [item.draft_nodes for item in request.items]
         shadow_nodes = [item.shadow_nodes for item in request.items]
         draft_head = [item.draft_head for item in request.items]
-        out = await self._call(context, "Verify", lambda: self.engine.verify(
+        out = await self._call(context, "Verify", lambda engine: engine.verify(
             self._parse_trees(request), draft_nodes, shadow_nodes, draft_head))
         return verifier_pb2.VerifyResponse(results=[
             verifier_pb2.VerifyResult(sequence_id=r.sequence_id, tokens=r.tokens,
@@ -90,7 +92,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def Decode(self, request, context):
         items = [(it.sequence_id, it.root_token) for it in request.items]
-        out = await self._call(context, "Decode", self.engine.decode, items,
+        out = await self._call(context, "Decode", VerifierEngine.decode, items,
                                [it.shadow_nodes for it in request.items])
         return verifier_pb2.DecodeResponse(results=[
             verifier_pb2.DecodeResult(sequence_id=r.sequence_id, token=r.tokens[0],
@@ -100,12 +102,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         ])
 
     async def Release(self, request, context):
-        n = await self._call(context, "Release", self.engine.release,
+        n = await self._call(context, "Release", VerifierEngine.release,
                              list(request.sequence_ids), request.keep_for_session)
         return verifier_pb2.ReleaseResponse(released=n)
 
     async def Info(self, request, context):
-        info = await self._call(context, "Info", self.engine.info)
+        info = await self._call(context, "Info", VerifierEngine.info)
         return verifier_pb2.InfoResponse(**info)
 
 
