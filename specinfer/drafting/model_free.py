@@ -43,7 +43,7 @@ class ModelFreeDrafter:
         return [self.tree(r.context, r.max_nodes) for r in requests]
 
     def forget(self, sequence_id: str) -> None:
-        pass  # nothing is kept per sequence
+        """Nothing is kept per sequence: the drafts come from the context alone."""
 
     def tree(self, context: Sequence[int], max_nodes: int) -> TokenTree:
         """One tree of at most ``max_nodes`` nodes below ``context``'s last token. The
