@@ -119,6 +119,12 @@ class Frontend:
     def check_ids(self, field: str, ids: list[int]) -> None:
         check_token_ids(field, ids, self.vocab_size)
 
+    def check_model(self, model: object) -> None:
+        """A request's model: unset (None) or the one served."""
+        if model is not None and model != self.model_name:
+            raise InvalidArgument("model", f"unknown model {model!r}; serving "
+                                  f"{self.model_name!r}")
+
 
 def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequest:
     kind = msg.WhichOneof("input")
@@ -136,8 +142,7 @@ def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequ
         raise InvalidArgument("input", "give prompt, prompt_token_ids or chat")
     if not ids:
         raise InvalidArgument("prompt", "tokenizes to nothing")
-    if msg.model and msg.model != fe.model_name:
-        raise InvalidArgument("model", f"unknown model {msg.model!r}; serving {fe.model_name!r}")
+    fe.check_model(msg.model or None)  # proto3: "" is unset
     if not 0 < msg.max_tokens <= MAX_TOKENS_LIMIT:
         raise InvalidArgument("max_tokens", f"must be in 1..{MAX_TOKENS_LIMIT}")
     params = sampling_from_proto(msg.sampling, "sampling")
@@ -259,6 +264,7 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
     """An OpenAI completions (or, with ``chat``, chat completions) body as scheduler
     requests, one per choice (``n``); seeded choices get seeds seed, seed+1, ... so that
     each is reproducible and they differ."""
+    fe.check_model(body.get("model"))
     ids = _chat_ids(fe, body) if chat else _prompt_ids(fe, body)
     n = _choices(body)
     params = _params(body, chat)

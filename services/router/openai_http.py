@@ -42,10 +42,6 @@ class OpenAIApi:
             raise InvalidArgument("body", f"is not valid JSON: {exc.msg}") from exc
         if not isinstance(body, dict):
             raise InvalidArgument("body", "must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.fe.model_name:
-            raise InvalidArgument("model", f"unknown model {model!r}; serving "
-                                  f"{self.fe.model_name!r}")
         return body
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
