@@ -111,9 +111,19 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
                   min_p: float = 0.0, seed: int | None = None, stop: list[str] | None = None,
                   stop_token_ids: list[int] | None = None, speculation: bool = True,
                   session_id: str = "", model: str = "",
-                  logprobs: int | None = None) -> router_pb2.GenerateRequest:
-    """``logprobs``: return each token's log-probability and this many alternatives."""
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p)
+                  logprobs: int | None = None, logit_bias: dict[int, float] | None = None,
+                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                  repetition_penalty: float | None = None) -> router_pb2.GenerateRequest:
+    """``logprobs``: return each token's log-probability and this many alternatives.
+    ``logit_bias`` (token id -> bias, clamped to +-100), ``presence_penalty`` and
+    ``frequency_penalty`` ([-2, 2], over the generated text) as OpenAI's,
+    ``repetition_penalty`` (> 0, over prompt and generated text) as vLLM's."""
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p,
+                                         logit_bias=logit_bias or {},
+                                         presence_penalty=presence_penalty,
+                                         frequency_penalty=frequency_penalty)
+    if repetition_penalty is not None:
+        sampling.repetition_penalty = repetition_penalty
     if top_p is not None:
         sampling.top_p = top_p
     if seed is not None:

@@ -1,18 +1,31 @@
 """Sampling parameters and logits processing, shared by speculative and plain decoding.
 
-``target_probs`` turns raw logits into the distribution a request samples from
-(temperature → top-k → top-p → min-p, the order transformers applies them). Speculative
-verification and incremental decoding both call it, so with and without speculation the
-next token has the same distribution.
+``process_logits`` applies the request's logits processors, which depend on the text so
+far: repetition penalty (prompt and generated tokens), frequency and presence penalties
+(generated tokens), logit bias. ``target_probs`` then turns logits into the distribution
+a request samples from (temperature → top-k → top-p → min-p, the order transformers
+applies them). Speculative verification and incremental decoding both call them, a tree
+node's row with the node's ancestors counted as generated, so with and without
+speculation the next token has the same distribution.
+
+Every value that passes validation gives a finite, normalised distribution: temperatures
+below ``GREEDY_BELOW`` act as greedy (as vLLM does), processed logits are clamped to a
+finite range, and a truncation always keeps the most likely token.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+GREEDY_BELOW = 1e-5  # temperatures under this act as greedy
+MAX_LOGIT_BIAS = 100.0  # OpenAI's clamp
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range [-2, 2]
+LOGIT_LIMIT = 1e30  # processed logits are clamped to +-this: finite after any temperature
 
 
 class InvalidSamplingParams(ValueError):
@@ -27,6 +40,12 @@ class SamplingParams:
     min_p: float = 0.0  # 0 = off
     seed: int | None = None
     logprobs: int | None = None  # report log-probabilities with this many alternatives
+    # (token id, bias) pairs, sorted, biases clamped to +-MAX_LOGIT_BIAS; a mapping is
+    # accepted too.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and self.temperature < float("inf")):
@@ -42,10 +61,34 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidSamplingParams(f"logprobs must be in [0, {MAX_LOGPROBS}], "
                                         f"got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidSamplingParams(f"{name} must be in [-{MAX_PENALTY:g}, "
+                                            f"{MAX_PENALTY:g}], got {value}")
+        if not (0 < self.repetition_penalty < float("inf")):
+            raise InvalidSamplingParams(f"repetition_penalty must be > 0, got "
+                                        f"{self.repetition_penalty}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) \
+            else self.logit_bias
+        pairs = {}
+        for token, value in bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidSamplingParams(f"logit_bias keys must be token ids, got {token!r}")
+            if not math.isfinite(value):
+                raise InvalidSamplingParams(f"logit_bias values must be finite, got {value}")
+            pairs[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(value)))
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs.items())))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the next token depends on the text so far beyond the model's logits."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 \
+            or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def make_generator(self) -> torch.Generator:
         """The request's own random stream (seeded if a seed was given)."""
@@ -55,6 +98,35 @@ class SamplingParams:
         else:
             g.manual_seed(self.seed % 2**63)
         return g
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int],
+                   generated: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``logits [R, V]``, row r the LLM's logits after ``prompt + generated[r]``, with the
+    request's processors applied: repetition penalty over the prompt and generated tokens,
+    then frequency and presence penalties over the generated ones, then logit bias;
+    clamped to +-LOGIT_LIMIT. Returned as float32 (the input when there is nothing to do)."""
+    if not params.processes_logits:
+        return logits
+    out = logits.float().clone()
+    vocab = out.shape[-1]
+    prompt_counts = torch.bincount(torch.as_tensor(list(prompt), dtype=torch.long),
+                                   minlength=vocab)[:vocab]
+    for r, tokens in enumerate(generated):
+        counts = torch.bincount(torch.as_tensor(list(tokens), dtype=torch.long),
+                                minlength=vocab)[:vocab].float()
+        row = out[r]
+        if params.repetition_penalty != 1:
+            seen = (counts > 0) | (prompt_counts > 0)
+            scaled = torch.where(row > 0, row / params.repetition_penalty,
+                                 row * params.repetition_penalty)
+            row.copy_(torch.where(seen, scaled, row).clamp(-LOGIT_LIMIT, LOGIT_LIMIT))
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long)
+        bias = torch.tensor([b for t, b in params.logit_bias if t < vocab])
+        out[:, ids] += bias
+    return out.clamp_(-LOGIT_LIMIT, LOGIT_LIMIT)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

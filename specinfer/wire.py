@@ -19,6 +19,11 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, field: str) -> SamplingP
             min_p=msg.min_p,
             seed=msg.seed if msg.HasField("seed") else None,
             logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+            logit_bias=dict(msg.logit_bias),
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
+            repetition_penalty=msg.repetition_penalty
+            if msg.HasField("repetition_penalty") else 1.0,
         )
     except ValueError as exc:
         raise InvalidArgument(field, str(exc)) from exc
@@ -32,6 +37,10 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    msg.logit_bias.update(dict(p.logit_bias))
+    msg.presence_penalty, msg.frequency_penalty = p.presence_penalty, p.frequency_penalty
+    if p.repetition_penalty != 1.0:
+        msg.repetition_penalty = p.repetition_penalty
     return msg
 
 

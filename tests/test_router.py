@@ -363,6 +363,19 @@ def http_post(url: str, data: bytes) -> tuple[int, dict]:
     (b'{"prompt": "hi", ', "body"),
     (b'{"prompt": "\xff\xfe"}', "body"),
     (b'{"prompt": "' + b"word " * 600 + b'"}', "prompt"),
+    (b'{"prompt": "hi", "logit_bias": {"49152": 5}}', "logit_bias[0]"),
+    (b'{"prompt": "hi", "logit_bias": {"x": 5}}', "logit_bias"),
+    (b'{"prompt": "hi", "logit_bias": [1]}', "logit_bias"),
+    (b'{"prompt": "hi", "presence_penalty": 2.5}', "presence_penalty"),
+    (b'{"prompt": "hi", "frequency_penalty": -3}', "frequency_penalty"),
+    (b'{"prompt": "hi", "repetition_penalty": 0}', "repetition_penalty"),
+    (b'{"prompt": "hi", "response_format": {"type": "json_object"}}', "response_format"),
+    (b'{"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}',
+     "tools"),
+    (b'{"prompt": "hi", "tool_choice": "auto"}', "tool_choice"),
+    (b'{"prompt": "hi", "best_of": 3}', "best_of"),
+    (b'{"prompt": "hi", "echo": true}', "echo"),
+    (b'{"prompt": "hi", "suffix": "end"}', "suffix"),
 ])
 def test_bad_http_input_gets_openai_errors(stack, body, param):
     status, payload = http_post(stack["http"] + "/v1/completions", body)
@@ -473,3 +486,31 @@ print(json.dumps({"installed": missing, "ids": out.token_ids, "file": __import__
     assert out["file"].startswith(str(venv))  # the installed copy, not the checkout
     assert out["ids"] == reference[PROMPTS[0]]
 
+
+def test_logit_bias_penalties_and_a_tiny_temperature_are_honoured(stack, reference):
+    """Through both APIs, speculation on and off: a +100 logit bias forces its token; a
+    temperature of 1e-45 (positive, so valid) is greedy; penalties change the answer the
+    same way with and without speculation, and in both APIs."""
+    prompt = PROMPTS[0]
+    forced = reference[PROMPTS[1]][0]
+    penalties = dict(frequency_penalty=1.5, presence_penalty=1.0, repetition_penalty=1.3)
+    with Client(stack["addr"]) as c:
+        for speculation in (True, False):
+            out = c.generate(prompt, max_tokens=8, logit_bias={forced: 100.0},
+                             speculation=speculation)
+            assert out.token_ids == [forced] * 8
+            assert c.generate(prompt, max_tokens=24, temperature=1e-45,
+                              speculation=speculation).token_ids == reference[prompt]
+        penalized = [c.generate(prompt, max_tokens=24, speculation=speculation, **penalties)
+                     for speculation in (True, False)]
+        greedy_text = c.generate(prompt, max_tokens=24, speculation=False).text
+    assert penalized[0].token_ids == penalized[1].token_ids != reference[prompt]
+    for body, want in (({"temperature": 1e-45}, greedy_text),
+                       ({"temperature": 0, **penalties}, penalized[0].text),
+                       ({"temperature": 0, "logit_bias": {str(forced): 250}},  # clamped
+                        out.text)):
+        max_tokens = 8 if "logit_bias" in body else 24
+        status, payload = http_post(stack["http"] + "/v1/completions", json.dumps(
+            {"prompt": prompt, "max_tokens": max_tokens, **body}).encode())
+        assert status == 200, payload
+        assert payload["choices"][0]["text"] == want, body

@@ -1,12 +1,15 @@
 """Speculative sampling end to end in-process (speculator engine -> verifier engine, the
 code the services run, minus RPC) on a tiny random Llama: with speculation on and off, the
-second and third generated tokens have the same distribution.
+second and third generated tokens have the same distribution (also with a frequency penalty,
+whose target at a tree node counts the node's ancestors as generated).
 
 Two-sample chi-square test of homogeneity per token position, N = 1,000 sequences each,
 cells with fewer than 10 pooled counts merged; pass if p > 1e-3 (seeded: deterministic).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -35,8 +38,10 @@ def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
     return float(chi2_contingency(table).pvalue)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(0.7), SamplingParams(1.0, top_p=0.8)],
-                         ids=["T=0.7", "top_p=0.8"])
+@pytest.mark.parametrize("params", [SamplingParams(0.7), SamplingParams(1.0, top_p=0.8),
+                                    SamplingParams(1.0, frequency_penalty=-2.0,
+                                                   presence_penalty=-2.0)],
+                         ids=["T=0.7", "top_p=0.8", "T=1 penalties=-2"])
 def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params):
     engine = build_engine(tiny_llama, EngineConfig(max_context=64, slots=4))
     model, _ = load_ssm(f"{tiny_llama}#layers=2")
@@ -53,8 +58,7 @@ def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params):
     on, off = [], []
     accepted = 0
     for i in range(N):
-        seeded = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p,
-                                seed=i)
+        seeded = dataclasses.replace(params, seed=i)
         res = generate_local(engine, [prompt], 3, trees=trees, params=seeded)[0]
         on.append(res.token_ids)
         accepted += res.steps

@@ -146,6 +146,7 @@ def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequ
     if not 0 < msg.max_tokens <= MAX_TOKENS_LIMIT:
         raise InvalidArgument("max_tokens", f"must be in 1..{MAX_TOKENS_LIMIT}")
     params = sampling_from_proto(msg.sampling, "sampling")
+    fe.check_ids("sampling.logit_bias", [t for t, _ in params.logit_bias])
     fe.check_ids("stop_token_ids", list(msg.stop_token_ids))
     return GenRequest(ids, msg.max_tokens, params,
                       speculation=msg.speculation if msg.HasField("speculation") else True,
@@ -243,10 +244,62 @@ def _params(body: dict, chat: bool) -> SamplingParams:
     try:
         return SamplingParams(temperature=temperature, top_k=_number(body, "top_k", 0, int),
                               top_p=top_p, min_p=_number(body, "min_p", 0.0), seed=seed,
-                              logprobs=_logprobs(body, chat))
+                              logprobs=_logprobs(body, chat), logit_bias=_logit_bias(body),
+                              presence_penalty=_number(body, "presence_penalty", 0.0),
+                              frequency_penalty=_number(body, "frequency_penalty", 0.0),
+                              repetition_penalty=_number(body, "repetition_penalty", 1.0))
     except ValueError as exc:
         field = str(exc).split(" ", 1)[0]
         raise InvalidArgument(field, str(exc)) from exc
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys, so strings) to biases."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise InvalidArgument("logit_bias", "must be an object of token id -> bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidArgument("logit_bias", f"key {key!r} is not a token id") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidArgument("logit_bias", f"the bias of {key!r} must be a number")
+        out[token] = float(value)
+    return out
+
+
+# OpenAI request fields this server does not implement: refused (HTTP 400 naming the
+# field) unless they hold the value that means "off". Fields that do not change the
+# output (user, metadata, store, service_tier, ...) are accepted, as are fields the
+# OpenAI API does not define.
+UNSUPPORTED = {
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: False,
+    "audio": lambda v: False,
+    "modalities": lambda v: v == ["text"],
+    "prediction": lambda v: False,
+    "reasoning_effort": lambda v: False,
+    "web_search_options": lambda v: False,
+    "verbosity": lambda v: False,
+    "best_of": lambda v: v == 1,
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, is_off in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not is_off(value):
+            raise InvalidArgument(name, "is not supported by this server")
 
 
 def _stop(body: dict) -> list[str]:
@@ -265,9 +318,11 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
     requests, one per choice (``n``); seeded choices get seeds seed, seed+1, ... so that
     each is reproducible and they differ."""
     fe.check_model(body.get("model"))
+    _refuse_unsupported(body)
     ids = _chat_ids(fe, body) if chat else _prompt_ids(fe, body)
     n = _choices(body)
     params = _params(body, chat)
+    fe.check_ids("logit_bias", [t for t, _ in params.logit_bias])
     out = []
     for i in range(n):
         p = params if params.seed is None else dataclasses.replace(params,

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 
+import grpc
 from aiohttp import web
 
 from services.router.frontend import Frontend, Generation, openai_requests
 from services.router.request import GenRequest
 from services.router.scheduler import Scheduler
 from specinfer.errors import InvalidArgument, ServiceError
+
+log = logging.getLogger(__name__)
 
 
 def _error(status: int, message: str, param: str | None = None,
@@ -95,7 +99,7 @@ class OpenAIApi:
             return _error(exc.http_status, str(exc), getattr(exc, "field", None),
                           "server_error")
         except Exception as exc:
-            return _error(500, f"generation failed: {exc}", kind="server_error")
+            return _error(500, _failure(exc), kind="server_error")
         choices = []
         for i, gen in enumerate(gens):
             choice = {"index": i, "finish_reason": gen.req.finish_reason,
@@ -161,7 +165,7 @@ class OpenAIApi:
             while open_choices:
                 i, delta, end, tokens = await queue.get()
                 if delta is None:  # OpenAI streams a failure as an error event
-                    error = {"message": f"generation failed: {end}", "type": "server_error",
+                    error = {"message": _failure(end), "type": "server_error",
                              "param": None, "code": None}
                     await resp.write(f"data: {json.dumps({'error': error})}\n\n".encode())
                     break
@@ -215,6 +219,19 @@ class OpenAIApi:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "speculation": {"steps": len(steps), "accepted_per_step": steps}}
+
+
+def _failure(exc: Exception) -> str:
+    """What a client is told of a failed generation: a service error's message or an
+    upstream status's details, never a traceback or gRPC's debug string (logged)."""
+    if isinstance(exc, ServiceError):
+        return str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        log.warning("generation failed", extra={"code": exc.code().name,
+                                                "error": exc.debug_error_string()})
+        return f"generation failed: {exc.code().name}: {exc.details() or ''}"
+    log.error("generation failed", exc_info=exc)
+    return f"generation failed: internal error ({type(exc).__name__})"
 
 
 def _finite(logprob: float) -> float:

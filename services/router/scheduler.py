@@ -146,7 +146,8 @@ class Scheduler:
         replica = reqs[0].replica
         items = [verifier_pb2.PrefillItem(sequence_id=r.id, token_ids=r.history,
                                           sampling=sampling_to_proto(r.params),
-                                          session_id=r.session_id) for r in reqs]
+                                          session_id=r.session_id,
+                                          prompt_length=len(r.prompt_ids)) for r in reqs]
         try:
             out = await replica.rpc.Prefill(verifier_pb2.PrefillRequest(items=items),
                                             timeout=hop_timeout(reqs, self.step_timeout_s))

@@ -27,6 +27,7 @@ from specinfer.errors import InvalidArgument, OutOfRange, ResourceExhausted, che
 from specinfer.sampling import (
     SamplingParams,
     TokenLogprob,
+    process_logits,
     sample,
     target_probs,
     token_logprobs,
@@ -60,6 +61,7 @@ class SequenceState:
     params: SamplingParams
     generator: torch.Generator | None
     session_id: str = ""
+    prompt_length: int = 0  # tokens[:prompt_length] are the prompt, the rest generated
     created: float = field(default_factory=time.monotonic)
     # The last model-free tree drafted for it: (token count it was drafted for, node
     # budget, tree). A shadow draft is the next step's tree: drafted once, not twice.
@@ -89,6 +91,7 @@ class PrefillSpec:
     token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     session_id: str = ""
+    prompt_length: int | None = None  # None: all of token_ids (else the rest was generated)
 
 
 @dataclass
@@ -196,6 +199,13 @@ class VerifierEngine:
                     f"(max_context {self.config.max_context})",
                 )
             check_token_ids(f"items[{i}].token_ids", spec.token_ids, self.vocab_size)
+            check_token_ids(f"items[{i}].sampling.logit_bias",
+                            [t for t, _ in spec.params.logit_bias], self.vocab_size)
+            if spec.prompt_length is not None \
+                    and not 1 <= spec.prompt_length <= len(spec.token_ids):
+                raise InvalidArgument(f"items[{i}].prompt_length",
+                                      f"{spec.prompt_length} is outside [1, "
+                                      f"{len(spec.token_ids)}] (the token_ids sent)")
         reusable = sum(1 for s in specs if s.session_id in self.sessions)
         if len(specs) - reusable > len(self.free_slots) + len(self.sessions) - reusable:
             raise ResourceExhausted(
@@ -223,10 +233,13 @@ class VerifierEngine:
             if features is not None:
                 features[start : start + len(chunk)] = self.executor.features[0]
         gen = spec.params.make_generator() if not spec.params.greedy else None
-        token = self._pick(logits[0, -1], spec.params, gen)
+        prompt_length = len(prompt) if spec.prompt_length is None else spec.prompt_length
+        processed = process_logits(logits[0, -1:], spec.params, prompt[:prompt_length],
+                                   [prompt[prompt_length:]])
+        token = self._pick(processed[0], spec.params, gen)
         self.sequences[spec.sequence_id] = SequenceState(
             spec.sequence_id, slot, list(prompt) + [token], spec.params, gen, spec.session_id,
-            features=features,
+            prompt_length, features=features,
         )
         return PrefillOut(spec.sequence_id, token, reuse,
                           self._logprobs(logits[0], [-1], [token], spec.params))
@@ -316,14 +329,32 @@ class VerifierEngine:
             batch.tokens, batch.position_ids, torch.tensor([s.slot for s in seqs]),
             batch.prefix_lens, visible, features=self.head_drafter is not None,
         ))
-        results = verify_batch(logits, trees, [s.params for s in seqs],
-                               [s.generator for s in seqs])
+        results = verify_batch(self._processed(logits, seqs, trees), trees,
+                               [s.params for s in seqs], [s.generator for s in seqs])
         outs = [self._accept(seq, tree, acc, logits[b], b)
                 for b, (seq, tree, acc) in enumerate(zip(seqs, trees, results, strict=True))]
         for seq, out, nodes in zip(seqs, outs, shadow_nodes, strict=True):
             if nodes:
                 out.next_draft = self._model_free_tree(seq, nodes)
         return outs
+
+    @staticmethod
+    def _processed(logits: torch.Tensor, seqs: list[SequenceState],
+                   trees: list[TokenTree]) -> torch.Tensor:
+        """The logits verification reads: each sequence's processors applied to its tree's
+        rows, row 1 + i with node i and its ancestors counted as generated (the text a
+        step accepting node i would have produced), so the target distribution at every
+        node is the one plain decoding would have there."""
+        if not any(s.params.processes_logits for s in seqs):
+            return logits
+        out = logits.float().clone()
+        for b, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+            if seq.params.processes_logits:
+                generated = seq.tokens[seq.prompt_length:]
+                rows = [generated] + [generated + tree.path_tokens(i) for i in range(len(tree))]
+                out[b, : len(rows)] = process_logits(logits[b, : len(rows)], seq.params,
+                                                     seq.tokens[: seq.prompt_length], rows)
+        return out
 
     def _head_trees(self, seqs: list[SequenceState], budgets: list[int],
                     draft_head: list[bool]) -> dict[int, TokenTree]:

@@ -64,7 +64,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             for i, item in enumerate(request.items):
                 params = sampling_from_proto(item.sampling, f"items[{i}].sampling")
                 specs.append(PrefillSpec(item.sequence_id, list(item.token_ids), params,
-                                         item.session_id))
+                                         item.session_id,
+                                         item.prompt_length if item.HasField("prompt_length")
+                                         else None))
             return engine.prefill(specs)
 
         out = await self._call(context, "Prefill", run)
