@@ -50,8 +50,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and self.temperature < float("inf")):
             raise InvalidSamplingParams(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidSamplingParams(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k < 2**31:
+            raise InvalidSamplingParams(f"top_k must be in [0, 2**31), got {self.top_k}")
         if not (0 < self.top_p <= 1):
             raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0 <= self.min_p <= 1):
@@ -73,7 +73,8 @@ class SamplingParams:
             else self.logit_bias
         pairs = {}
         for token, value in bias:
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            if isinstance(token, bool) or not isinstance(token, int) \
+                    or not 0 <= token < 2**31:
                 raise InvalidSamplingParams(f"logit_bias keys must be token ids, got {token!r}")
             if not math.isfinite(value):
                 raise InvalidSamplingParams(f"logit_bias values must be finite, got {value}")

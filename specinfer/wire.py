@@ -12,21 +12,32 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, field: str) -> SamplingP
     """Validated sampling parameters; the error names ``field`` (e.g. ``items[2].sampling``)
     and, in its message, the bad field in it."""
     try:
-        return SamplingParams(
-            temperature=msg.temperature,
-            top_k=msg.top_k,
-            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-            min_p=msg.min_p,
-            seed=msg.seed if msg.HasField("seed") else None,
-            logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-            logit_bias=dict(msg.logit_bias),
-            presence_penalty=msg.presence_penalty,
-            frequency_penalty=msg.frequency_penalty,
-            repetition_penalty=msg.repetition_penalty
-            if msg.HasField("repetition_penalty") else 1.0,
-        )
+        return _sampling(msg)
     except ValueError as exc:
         raise InvalidArgument(field, str(exc)) from exc
+
+
+def sampling_on_the_wire(p: SamplingParams) -> SamplingParams:
+    """``p`` as a service receiving it will see it (its floats rounded to the proto's
+    float32), validated again: a value valid in float64 may not be once rounded (a
+    top_p of 1e-50 becomes 0). Raises ``InvalidSamplingParams`` naming the field."""
+    return _sampling(sampling_to_proto(p))
+
+
+def _sampling(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        logit_bias=dict(msg.logit_bias),
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty
+        if msg.HasField("repetition_penalty") else 1.0,
+    )
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 
 from services.router.request import GenRequest
@@ -16,7 +17,7 @@ from specinfer.chat import chat_ids
 from specinfer.errors import InvalidArgument, check_token_ids
 from specinfer.sampling import MAX_LOGPROBS, SamplingParams
 from specinfer.v1 import router_pb2
-from specinfer.wire import sampling_from_proto
+from specinfer.wire import sampling_from_proto, sampling_on_the_wire
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_CHOICES = 8
@@ -203,9 +204,15 @@ def _number(body: dict, name: str, default, kind=float):
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgument(name, "must be a number")
-    if kind is int and int(value) != value:
+    try:
+        number = kind(value)
+    except (OverflowError, ValueError):  # NaN, infinities, integers past a float
+        raise InvalidArgument(name, "must be a finite number") from None
+    if kind is int and number != value:
         raise InvalidArgument(name, "must be an integer")
-    return kind(value)
+    if not math.isfinite(number):
+        raise InvalidArgument(name, "must be a finite number")
+    return number
 
 
 def _choices(body: dict) -> int:
@@ -242,12 +249,13 @@ def _params(body: dict, chat: bool) -> SamplingParams:
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
         raise InvalidArgument("seed", "must be a non-negative integer")
     try:
-        return SamplingParams(temperature=temperature, top_k=_number(body, "top_k", 0, int),
-                              top_p=top_p, min_p=_number(body, "min_p", 0.0), seed=seed,
-                              logprobs=_logprobs(body, chat), logit_bias=_logit_bias(body),
-                              presence_penalty=_number(body, "presence_penalty", 0.0),
-                              frequency_penalty=_number(body, "frequency_penalty", 0.0),
-                              repetition_penalty=_number(body, "repetition_penalty", 1.0))
+        return sampling_on_the_wire(SamplingParams(
+            temperature=temperature, top_k=_number(body, "top_k", 0, int), top_p=top_p,
+            min_p=_number(body, "min_p", 0.0), seed=seed, logprobs=_logprobs(body, chat),
+            logit_bias=_logit_bias(body),
+            presence_penalty=_number(body, "presence_penalty", 0.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0),
+            repetition_penalty=_number(body, "repetition_penalty", 1.0)))
     except ValueError as exc:
         field = str(exc).split(" ", 1)[0]
         raise InvalidArgument(field, str(exc)) from exc
@@ -325,8 +333,8 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
     fe.check_ids("logit_bias", [t for t, _ in params.logit_bias])
     out = []
     for i in range(n):
-        p = params if params.seed is None else dataclasses.replace(params,
-                                                                    seed=params.seed + i)
+        p = params if params.seed is None else dataclasses.replace(
+            params, seed=(params.seed + i) % 2**64)
         out.append(_openai_request(body, ids, None if chat else 16, p))
     return out
 
