@@ -25,9 +25,23 @@ class InvalidArgument(ServiceError):
         self.field = field
 
 
+class NotFound(InvalidArgument):
+    """A request names something the service does not hold (e.g. a sequence id)."""
+
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+
+
 class ResourceExhausted(ServiceError):
+    """No capacity now; ``retry_after_s``: when a retry may succeed, if known (sent as
+    HTTP ``Retry-After`` and gRPC ``retry-after`` trailing metadata)."""
+
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     http_status = 429
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class OutOfRange(ServiceError):

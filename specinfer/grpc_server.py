@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -23,6 +24,9 @@ SERVER_OPTIONS = CHANNEL_OPTIONS
 async def abort_on_error(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     """Turn a service error (or a ValueError from validation) into its gRPC status."""
     if isinstance(exc, ServiceError):
+        retry_after = getattr(exc, "retry_after_s", None)
+        if retry_after is not None:
+            context.set_trailing_metadata((("retry-after", str(math.ceil(retry_after))),))
         await context.abort(exc.grpc_code, str(exc))
     if isinstance(exc, ValueError):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -75,8 +75,9 @@ def test_bad_requests_get_precise_codes_and_the_service_keeps_serving(verifier):
         return lambda: stub.Verify(verifier_pb2.VerifyRequest(items=[verifier_pb2.VerifyItem(
             sequence_id=sid, root_token=root_token, tree=tree_msg)]), timeout=30)
 
+    code, details = code_of(verify("ghost", root, common_pb2.TokenTree()))
+    assert code == grpc.StatusCode.NOT_FOUND and "sequence_id" in details  # never prefilled
     cases = [
-        (verify("ghost", root, common_pb2.TokenTree()), "sequence_id"),
         (verify("b", root, common_pb2.TokenTree(tokens=[999], parents=[-1])), "tokens[0]"),
         (verify("b", root, common_pb2.TokenTree(tokens=[1, 2], parents=[1, -1])), "parents"),
         (verify("b", root, tree_to_proto(TokenTree.chain(list(range(9))))), "tree"),
@@ -165,7 +166,7 @@ def test_every_rpc_is_unavailable_until_the_model_is_loaded(tiny_llama):
             time.sleep(0.05)
         assert stub.Release(verifier_pb2.ReleaseRequest(sequence_ids=["x"]),
                             timeout=5).released == 0
-        assert code_of(calls["Decode"])[0] == grpc.StatusCode.INVALID_ARGUMENT  # unknown
+        assert code_of(calls["Decode"])[0] == grpc.StatusCode.NOT_FOUND  # unknown
         for name, codes in seen.items():
             assert codes <= {grpc.StatusCode.UNAVAILABLE}, (name, codes)
     finally:

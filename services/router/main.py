@@ -21,6 +21,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI API port (0 = off)")
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests at most")
+    p.add_argument("--queue-timeout", type=float, default=60.0,
+                   help="seconds a request may wait for verifier capacity before it is turned "
+                        "away (RESOURCE_EXHAUSTED / HTTP 429 with Retry-After); keep it above "
+                        "the verifiers' --sequence-lease plus a step, so slots a dead router "
+                        "held come back first")
     p.add_argument("--spec-max-batch", type=int, default=2,
                    help="above this many live sequences, decode without speculation (below, "
                         "the router measures whether speculating pays). The default is "
@@ -61,7 +66,7 @@ async def serve(args: argparse.Namespace, grace_s: float = 10.0) -> None:
                           eos_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
                           else [],
                           max_waiting=args.max_waiting, spec_max_batch=args.spec_max_batch,
-                          speculation=args.speculation,
+                          speculation=args.speculation, queue_timeout_s=args.queue_timeout,
                           detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     info = await _retry(scheduler.start)
     frontend = Frontend(tokenizer, args.model_name or args.llm, info["vocab_size"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 
@@ -22,9 +23,19 @@ log = logging.getLogger(__name__)
 
 
 def _error(status: int, message: str, param: str | None = None,
-           kind: str = "invalid_request_error") -> web.Response:
+           kind: str = "invalid_request_error",
+           retry_after_s: float | None = None) -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return web.json_response(body, status=status)
+    headers = {"Retry-After": str(math.ceil(retry_after_s))} if retry_after_s else None
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _service_error(exc: ServiceError) -> web.Response:
+    """A service error as OpenAI's error object, with its status (429s: Retry-After)."""
+    kind = "rate_limit_error" if exc.http_status == 429 else \
+        "invalid_request_error" if exc.http_status < 500 else "server_error"
+    return _error(exc.http_status, str(exc), getattr(exc, "field", None), kind,
+                  getattr(exc, "retry_after_s", None))
 
 
 class OpenAIApi:
@@ -59,7 +70,7 @@ class OpenAIApi:
             body = await self._body(request)
             reqs = openai_requests(self.fe, body, chat)
         except ServiceError as exc:
-            return _error(exc.http_status, str(exc), getattr(exc, "field", None))
+            return _service_error(exc)
         return await self._run(request, body, reqs, chat)
 
     async def _run(self, request: web.Request, body: dict, reqs: list[GenRequest],
@@ -72,9 +83,7 @@ class OpenAIApi:
         except ServiceError as exc:
             for req in submitted:
                 self.scheduler.cancel(req)
-            return _error(exc.http_status, str(exc), getattr(exc, "field", None),
-                          "rate_limit_error" if exc.http_status == 429 else
-                          "invalid_request_error")
+            return _service_error(exc)
         gens = [Generation(req, self.fe) for req in reqs]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
@@ -96,8 +105,7 @@ class OpenAIApi:
         try:
             await asyncio.gather(*(drain(g) for g in gens))
         except ServiceError as exc:
-            return _error(exc.http_status, str(exc), getattr(exc, "field", None),
-                          "server_error")
+            return _service_error(exc)
         except Exception as exc:
             return _error(500, _failure(exc), kind="server_error")
         choices = []

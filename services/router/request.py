@@ -55,6 +55,7 @@ class GenRequest:
     replica: Replica | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     created: float = field(default_factory=time.monotonic)
+    queued_at: float = field(default_factory=time.monotonic)  # since when it waits
     first_token_at: float = 0.0
     deadline: float | None = None  # time.monotonic() by which the client gives up
     # Model-free trees the verifier drafted but did not verify, waiting for the tokens

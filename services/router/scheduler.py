@@ -42,13 +42,17 @@ class Scheduler:
                  step_timeout_s: float = 60.0, speculate_timeout_s: float = 10.0,
                  prefill_token_budget: int = 4096,
                  detokenize: Callable[[list[int]], str] | None = None,
-                 speculation: str = "adaptive") -> None:
+                 speculation: str = "adaptive", queue_timeout_s: float = 60.0) -> None:
         self.replicas = ReplicaSet(verifiers)
         self.speculators = SpeculatorPool(speculators, expansion=expansion,
                                           max_nodes=max_nodes, timeout_s=speculate_timeout_s,
                                           step_timeout_s=step_timeout_s)
         self.eos_ids = set(eos_ids)
         self.max_waiting = max_waiting
+        # A request that waits this long for capacity is turned away (RESOURCE_EXHAUSTED,
+        # HTTP 429): longer than a verifier's sequence lease plus a step by default, so
+        # the slots a dead router held come back before anyone is.
+        self.queue_timeout_s = queue_timeout_s
         self.spec_max_batch = spec_max_batch
         self.modes = SPECULATION_CHOICES[speculation]  # mode 0: plain decoding
         self.policy = SpeculationPolicy(len(self.modes)) if len(self.modes) > 2 else None
@@ -87,7 +91,9 @@ class Scheduler:
                                   f"limit of {max_context - 1}")
         req.max_tokens = min(req.max_tokens, max_context - len(req.prompt_ids))
         if len(self.waiting) >= self.max_waiting:
-            raise ResourceExhausted(f"{len(self.waiting)} requests already queued; retry later")
+            raise ResourceExhausted(f"{len(self.waiting)} requests already queued; retry later",
+                                    retry_after_s=1)
+        req.queued_at = time.monotonic()
         self.waiting.append(req)
         self.wake.set()
 
@@ -103,7 +109,7 @@ class Scheduler:
                 self.wake.clear()
                 await self.wake.wait()
             try:
-                await self._drop_cancelled()
+                await self._drop_ended()
                 await self._admit()
                 if self.running:
                     await self._step()
@@ -115,13 +121,20 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 await asyncio.sleep(0.1)
 
-    async def _drop_cancelled(self) -> None:
+    async def _drop_ended(self) -> None:
+        """Requests cancelled, past their client's deadline, or queued too long."""
         now = time.monotonic()
         for req in self.running + self.waiting:
             if req.deadline is not None and now > req.deadline and not req.cancelled:
                 req.cancelled = True
                 req.events.put_nowait(("error", DeadlineExceeded("the request's deadline "
                                                                  "passed")))
+        for req in self.waiting:
+            if not req.cancelled and now - req.queued_at > self.queue_timeout_s:
+                req.cancelled = True
+                req.events.put_nowait(("error", ResourceExhausted(
+                    f"no verifier capacity for {self.queue_timeout_s:g} s; retry later",
+                    retry_after_s=5)))
         for req in [r for r in self.running if r.cancelled]:
             await self._finish(req, "cancelled")
         self.waiting = [r for r in self.waiting if not r.cancelled]
@@ -276,7 +289,15 @@ class Scheduler:
         try:
             results = await together(*calls)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                # The verifier freed a sequence after its lease (this router was paused):
+                # the call changed nothing, so all restart from the router's history.
+                log.warning("verifier lost a sequence; prefilling again",
+                            extra={"replica": replica.address, "error": exc.details()})
+                for r in reqs:
+                    self._requeue(r)
+                await self.replicas.release(replica, [r.id for r in reqs])
+            elif exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 for r in reqs:  # e.g. a tree the verifier rejects: fail loudly, not silently
                     self._fail(r, exc)
             elif _client_deadline_passed(exc, reqs):
@@ -349,6 +370,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.replicas.detach(req)
+        req.queued_at = time.monotonic()
         self.waiting.insert(0, req)
 
     def _leave(self, req: GenRequest):

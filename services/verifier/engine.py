@@ -23,7 +23,13 @@ from services.verifier.executor import ForwardArgs
 from specinfer.drafting import DraftRequest
 from specinfer.drafting.head import FeatureDrafter
 from specinfer.drafting.model_free import ModelFreeDrafter
-from specinfer.errors import InvalidArgument, OutOfRange, ResourceExhausted, check_token_ids
+from specinfer.errors import (
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    check_token_ids,
+)
 from specinfer.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -44,6 +50,9 @@ class EngineConfig:
     slots: int = 8  # sequences (live or kept for a session) held at once
     max_tree_nodes: int = 64
     prefill_chunk: int = 256
+    # A live sequence no call has touched for this long is freed: its router died (a
+    # router steps every sequence it holds far more often). 0 = never.
+    sequence_lease_s: float = 30.0
     # The draft head's tree (``VerifyItem.draft_head``): dynamic (EAGLE-2 style: the most
     # probable paths) for greedy sequences, the static expansion for sampled ones and with
     # ``head_dynamic`` off; at most ``head_nodes`` of the item's node budget, so the
@@ -63,6 +72,7 @@ class SequenceState:
     session_id: str = ""
     prompt_length: int = 0  # tokens[:prompt_length] are the prompt, the rest generated
     created: float = field(default_factory=time.monotonic)
+    touched: float = field(default_factory=time.monotonic)  # the last call on it
     # The last model-free tree drafted for it: (token count it was drafted for, node
     # budget, tree). A shadow draft is the next step's tree: drafted once, not twice.
     model_free_draft: tuple[int, int, TokenTree] | None = None
@@ -173,7 +183,8 @@ class VerifierEngine:
     def _live(self, name: str, sequence_id: str) -> SequenceState:
         seq = self.sequences.get(sequence_id)
         if seq is None:
-            raise InvalidArgument(name, f"unknown sequence {sequence_id!r}")
+            raise NotFound(name, f"unknown sequence {sequence_id!r} (never prefilled, "
+                           "released, or freed after its lease)")
         return seq
 
     def _check_unique(self, ids: list[str]) -> None:
@@ -183,6 +194,7 @@ class VerifierEngine:
     # --- prefill ----------------------------------------------------------------------
 
     def prefill(self, specs: list[PrefillSpec]) -> list[PrefillOut]:
+        self.expire()  # a dead router's sequences give their slots back first
         self._check_unique([s.sequence_id for s in specs])
         for i, spec in enumerate(specs):
             if not spec.sequence_id:
@@ -321,6 +333,9 @@ class VerifierEngine:
                 # The head's sampled drafts come first: a cut may only drop one-hot drafts.
                 trees[i] = model_free if i not in head_trees else \
                     merge_trees([head_trees[i], model_free], max_nodes=nodes)
+        now = time.monotonic()
+        for seq in seqs:
+            seq.touched = now
         batch = TreeBatch.build(trees, [s.root for s in seqs], [s.cached for s in seqs])
         q = batch.tokens.shape[1]
         key_len = int(batch.prefix_lens.max()) + q
@@ -423,6 +438,20 @@ class VerifierEngine:
                 self.free_slots.append(seq.slot)
         return released
 
+    def expire(self) -> list[str]:
+        """Free every live sequence no call has touched for the lease time; returns their
+        ids. Sessions kept for prefix reuse are not live: they go only under pressure."""
+        lease = self.config.sequence_lease_s
+        if lease <= 0:
+            return []
+        now = time.monotonic()
+        stale = [sid for sid, seq in self.sequences.items() if now - seq.touched > lease]
+        if stale:
+            log.warning("freeing sequences past their lease (their router is gone)",
+                        extra={"sequences": len(stale), "lease_s": lease})
+            self.release(stale)
+        return stale
+
     def info(self) -> dict:
         return {
             "model": self.model_name,
@@ -437,6 +466,7 @@ class VerifierEngine:
             "eos_token_ids": self.eos_token_ids,
             "live_sequences": len(self.sequences),
             "draft_head": self.head_drafter is not None,
+            "sequence_lease_seconds": self.config.sequence_lease_s,
         }
 
 

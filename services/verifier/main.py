@@ -39,6 +39,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-expansion", default="2,1,1,1",
                    help="the draft head's static tree: children per level (default: 2 "
                         "candidates, each continued by a chain of 3)")
+    p.add_argument("--sequence-lease", type=float, default=30.0,
+                   help="seconds a live sequence may go untouched by its router before it is "
+                        "freed (the router died: a router steps its sequences far more often); "
+                        "0 = never")
     p.add_argument("--head-nodes", type=int, default=8,
                    help="the most nodes of a step's tree the draft head drafts; model-free "
                         "drafts fill the rest of the step's budget")
@@ -56,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
     config = EngineConfig(max_context=args.max_context, slots=args.slots,
                           max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
                           head_expansion=expansion, head_dynamic=args.head_tree == "dynamic",
-                          head_nodes=args.head_nodes)
+                          head_nodes=args.head_nodes, sequence_lease_s=args.sequence_lease)
+    if args.sequence_lease < 0:
+        raise ModelError(f"--sequence-lease must be >= 0 seconds; got {args.sequence_lease}")
     head = _draft_head(args.draft_head, args.llm, args.tp * args.pp > 1)
 
     def build():

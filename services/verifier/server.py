@@ -117,8 +117,24 @@ def _first_logprob(logprobs: list) -> object:
     return logprob_to_proto(logprobs[0]) if logprobs else None
 
 
-async def serve(build, host: str, port: int, grace_s: float = 10.0) -> None:
-    await serve_engine("verifier", VerifierServicer(),
-                       verifier_pb2_grpc.add_VerifierServicer_to_server,
-                       verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
-                       build, host, port, grace_s, close=lambda e: e.executor.close())
+async def serve(build, host: str, port: int, grace_s: float = 10.0,
+                sweep_every_s: float = 1.0) -> None:
+    """Serve until SIGTERM; every ``sweep_every_s`` free the sequences past their lease
+    (``VerifierEngine.expire``), on the engine's thread like every call."""
+    servicer = VerifierServicer()
+
+    async def sweep() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(sweep_every_s)
+            if servicer.engine is not None:
+                await loop.run_in_executor(servicer.pool, servicer.engine.expire)
+
+    sweeper = asyncio.create_task(sweep())
+    try:
+        await serve_engine("verifier", servicer,
+                           verifier_pb2_grpc.add_VerifierServicer_to_server,
+                           verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
+                           build, host, port, grace_s, close=lambda e: e.executor.close())
+    finally:
+        sweeper.cancel()
