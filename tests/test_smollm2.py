@@ -98,15 +98,15 @@ def test_penalties_and_logit_bias_keep_speculation_exact(engine):
     tokenizer = load_tokenizer(DEFAULT_LLM)
     hf = engine.executor.runtime.model
     eos = set(engine.eos_token_ids)
-    n = 40
+    n = 32
     for i, (_, text) in enumerate(mtbench_first_turns(per_category=1)[:2]):
         prompt = chat_prompt_ids(tokenizer, text)
-        plain = generate_local(engine, [prompt], n)[0].token_ids
+        plain = generate_local(engine, [prompt], 4)[0].token_ids
         params = SamplingParams(logit_bias={plain[0]: -100, plain[3]: 4.0},
                                 frequency_penalty=0.6, presence_penalty=0.4,
                                 repetition_penalty=1.3)
         ref = textbook_penalized_greedy(hf, prompt, n, params, eos)
-        assert ref != plain[: len(ref)]  # the processors change the text
+        assert ref[0] != plain[0] and len(ref) > 8  # the processors change the text
         off = generate_local(engine, [prompt], n, params=params)[0]
         assert off.token_ids == ref, f"prompt {i}: plain decoding"
         oracle = generate_local(engine, [prompt], n, params=params,
