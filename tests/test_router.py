@@ -163,61 +163,6 @@ def test_openai_logprobs_plain_and_streaming(stack):
     assert status == 400 and payload["error"]["param"] == "top_logprobs"
 
 
-def test_token_bytes_are_raw_and_offsets_follow_the_text():
-    """Logprobs' token bytes for byte-level BPE: a character split over tokens joins back
-    exactly (OpenAI's ``bytes``), and each token's text offset is where it starts."""
-    from services.router.frontend import Frontend
-    from specinfer.models import DEFAULT_LLM, load_tokenizer
-
-    fe = Frontend(load_tokenizer(DEFAULT_LLM), "m", 49152)
-    assert fe.byte_level
-    text = "Hi 😀 naïve 東京<|im_end|>"
-    ids = fe.encode_prompt(text)
-    assert b"".join(fe.token_bytes(t) for t in ids) == text.encode()
-    assert any(fe.token_text(t) == "\ufffd" for t in ids)  # part of a character
-    offsets = fe.text_offsets(ids, 0, len(ids))
-    visible = fe.decode(ids)
-    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] == len(visible)
-    for t, o in zip(ids, offsets, strict=True):
-        if "\ufffd" not in fe.token_text(t) and t not in fe.special_ids:
-            assert visible[o:].startswith(fe.token_text(t))
-    assert fe.text_offsets(ids, 2, 4) == offsets[2:4]
-    # An invalid byte is one U+FFFD in the text; special tokens (not in the text) take none.
-    from services.router.frontend import BYTE_OF_CHAR
-
-    orphan = fe.tokenizer.convert_tokens_to_ids(
-        next(c for c, b in BYTE_OF_CHAR.items() if b == 0x84))
-    ids = [orphan, *fe.encode_prompt("a<repo_name> there")]
-    assert fe.decode(ids) == "\ufffda there"
-    assert fe.text_offsets(ids, 0, len(ids)) == [0, 1, 2, 2]
-
-
-def test_a_stop_string_and_eos_in_one_step_keep_only_the_tokens_before_the_stop():
-    """A speculative step accepting "." then EOS, with stop ".": one-token steps would stop
-    at "."; so does the step (token ids, logprobs and usage included)."""
-    from services.router.request import GenRequest
-    from services.router.scheduler import Scheduler
-    from specinfer.models import DEFAULT_LLM, load_tokenizer
-    from specinfer.sampling import SamplingParams
-    from specinfer.v1 import common_pb2
-
-    tok = load_tokenizer(DEFAULT_LLM)
-
-    async def main():
-        sched = Scheduler([], [], eos_ids=[tok.eos_token_id],
-                          detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
-        head, tail = tok.encode("Hello"), tok.encode(". More words")
-        req = GenRequest([1, 2, 3], 64, SamplingParams(logprobs=0), stop=["."])
-        step = head + tail + [tok.eos_token_id]
-        await sched._emit(req, step, [common_pb2.TokenLogprob(logprob=-0.5)] * len(step),
-                          step=True)
-        return req, head + tail[:1]
-
-    req, expected = asyncio.run(main())
-    assert req.generated == expected and req.finish_reason == "stop"
-    assert len(req.logprobs) == len(expected) and req.accepted_per_step == [len(expected)]
-
-
 def test_stop_string_cuts_a_speculative_step_where_plain_decoding_stops(stack):
     """A step that accepts tokens past the one completing a stop string keeps none of
     them: the same tokens (and logprobs) as with speculation off."""
@@ -423,37 +368,6 @@ def test_killing_the_speculator_then_a_verifier_loses_nothing(stack, reference):
         assert ids == reference[prompt]
     with Client(stack["addr"]) as c:  # and the stack still serves
         assert c.generate(PROMPTS[2], max_tokens=24).token_ids == reference[PROMPTS[2]]
-
-
-def test_streamed_text_never_holds_part_of_a_stop_string():
-    """Text that may begin a stop string is held back until it cannot, or the request ends:
-    a client never sees "a" of stop "abc"; held text that turns out not to be a stop
-    string is sent with the next delta."""
-    from types import SimpleNamespace
-
-    from services.router.frontend import Generation
-    from services.router.request import GenRequest
-    from specinfer.sampling import SamplingParams
-
-    fe = SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)))
-
-    def stream(chunks: list[str], finish: str) -> list[str]:
-        req = GenRequest([1], 64, SamplingParams(), stop=["abc", "zz"])
-
-        async def collect() -> list[str]:
-            deltas, out = Generation(req, fe).deltas(), []
-            for chunk in chunks:  # the scheduler's steps, one at a time
-                req.generated += [ord(ch) for ch in chunk]
-                req.events.put_nowait(("tokens", [ord(ch) for ch in chunk]))
-                out.append((await deltas.__anext__())[1])
-            req.events.put_nowait(("done", finish))
-            out.append((await deltas.__anext__())[1])
-            return out
-
-        return asyncio.run(collect())
-
-    assert stream(["xa", "b", "d", "z"], "length") == ["x", "", "abd", "", "z"]
-    assert stream(["xa", "b", "c", "yy"], "stop") == ["x", "", "", "", ""]
 
 
 def test_the_client_installs_and_works_without_torch(stack, reference, tmp_path):
