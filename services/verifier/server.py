@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.verifier.engine import PrefillSpec, VerifierEngine
+from specinfer.errors import ResourceExhausted
 from specinfer.grpc_server import abort_on_error, serve_engine
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 from specinfer.wire import (
@@ -43,7 +44,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             result = await asyncio.get_running_loop().run_in_executor(self.pool, fn, self.engine,
                                                                      *args)
         except Exception as exc:  # mapped to a status; the service keeps serving
-            log.info("request failed", extra={"method": method, "error": str(exc)})
+            # A full cache is routine under load (routers retry until slots free up).
+            log.log(logging.DEBUG if isinstance(exc, ResourceExhausted) else logging.INFO,
+                    "request failed", extra={"method": method, "error": str(exc)})
             await abort_on_error(context, exc)
         log.debug("done", extra={"method": method, "ms": (time.perf_counter() - start) * 1e3})
         return result
