@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specinfer.net import CHANNEL_OPTIONS
+from specinfer.net import GRPC_OPTIONS
 from specinfer.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -153,7 +153,7 @@ def _completion(resp: router_pb2.GenerateResponse) -> Completion:
 class Client:
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = 300.0,
                  retries: int = 3, metadata: list[tuple[str, str]] | None = None) -> None:
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.timeout, self.retries, self.metadata = timeout, retries, metadata
 
@@ -193,7 +193,7 @@ class Client:
 class AsyncClient:
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = 300.0,
                  retries: int = 3, metadata: list[tuple[str, str]] | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.timeout, self.retries, self.metadata = timeout, retries, metadata
 

@@ -14,11 +14,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specinfer.errors import ServiceError
-from specinfer.net import CHANNEL_OPTIONS
+from specinfer.net import GRPC_OPTIONS
 
 log = logging.getLogger(__name__)
 
-SERVER_OPTIONS = CHANNEL_OPTIONS
 
 
 async def abort_on_error(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -39,7 +38,7 @@ class Service:
 
     def __init__(self, name: str, host: str, port: int) -> None:
         self.name = name
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = f"{host}:{port}"

@@ -102,27 +102,34 @@ class SamplingParams:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int],
-                   generated: Sequence[Sequence[int]]) -> torch.Tensor:
-    """``logits [R, V]``, row r the LLM's logits after ``prompt + generated[r]``, with the
+                   generated: Sequence[int],
+                   extra: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """``logits [R, V]``, row r the LLM's logits after ``prompt + generated + extra[r]``
+    (``extra``: a tree node's path, counted as generated; default none), with the
     request's processors applied: repetition penalty over the prompt and generated tokens,
     then frequency and presence penalties over the generated ones, then logit bias;
-    clamped to +-LOGIT_LIMIT. Returned as float32 (the input when there is nothing to do)."""
+    clamped to +-LOGIT_LIMIT. Returned as float32 (the input when there is nothing to do).
+    The shared text is counted once; each row adds only its own few tokens."""
     if not params.processes_logits:
         return logits
     out = logits.float().clone()
     vocab = out.shape[-1]
-    prompt_counts = torch.bincount(torch.as_tensor(list(prompt), dtype=torch.long),
-                                   minlength=vocab)[:vocab]
-    for r, tokens in enumerate(generated):
-        counts = torch.bincount(torch.as_tensor(list(tokens), dtype=torch.long),
-                                minlength=vocab)[:vocab].float()
+
+    def counts(tokens: Sequence[int]) -> torch.Tensor:
+        ids = torch.as_tensor(list(tokens), dtype=torch.long)
+        return torch.bincount(ids, minlength=vocab)[:vocab].float()
+
+    base = counts(generated)
+    in_prompt = counts(prompt) > 0 if params.repetition_penalty != 1 else None
+    for r, tokens in enumerate(extra or [()] * out.shape[0]):
         row = out[r]
-        if params.repetition_penalty != 1:
-            seen = (counts > 0) | (prompt_counts > 0)
+        seen = base + counts(tokens) if tokens else base
+        if in_prompt is not None:
             scaled = torch.where(row > 0, row / params.repetition_penalty,
                                  row * params.repetition_penalty)
-            row.copy_(torch.where(seen, scaled, row).clamp(-LOGIT_LIMIT, LOGIT_LIMIT))
-        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+            row.copy_(torch.where(in_prompt | (seen > 0), scaled, row)
+                      .clamp(-LOGIT_LIMIT, LOGIT_LIMIT))
+        row -= params.frequency_penalty * seen + params.presence_penalty * (seen > 0)
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long)
         bias = torch.tensor([b for t, b in params.logit_bias if t < vocab])

@@ -83,7 +83,7 @@ def _is_distribution(p: torch.Tensor) -> bool:
 @given(sampling_params(), logits_rows(), histories, st.lists(histories, min_size=4,
                                                              max_size=4))
 def test_target_distributions_are_finite_and_normalised(params, logits, prompt, generated):
-    processed = process_logits(logits, params, prompt, generated)
+    processed = process_logits(logits, params, prompt, generated[0], generated)
     assert torch.isfinite(processed).all()
     probs = target_probs(processed, params)
     assert _is_distribution(probs)
@@ -98,7 +98,7 @@ def test_mss_gives_a_valid_token_for_any_valid_params(params, logits, seed, draf
     """A tree of 3 nodes whose drafts carry proposals of any shape (point masses, a
     proposal equal to the target): verification ends in tokens of the vocabulary."""
     gen = torch.Generator().manual_seed(seed)
-    probs = target_probs(process_logits(logits, params, [], [[]] * 4), params)
+    probs = target_probs(process_logits(logits, params, [], []), params)
     q = probs[0].clone()
     q[0] += draft_mass
     q = (q / q.sum()).tolist()

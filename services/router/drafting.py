@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.router.policy import SpeculationMode
 from services.router.request import GenRequest, hop_timeout
-from specinfer.net import CHANNEL_OPTIONS
+from specinfer.net import GRPC_OPTIONS
 from specinfer.v1 import common_pb2, speculator_pb2, speculator_pb2_grpc
 from specinfer.wire import sampling_to_proto
 
@@ -45,7 +45,7 @@ class SpeculatorPool:
     def __init__(self, speculators: list[str], *, expansion: list[int] | None = None,
                  max_nodes: int = 0, timeout_s: float = 10.0, step_timeout_s: float = 60.0,
                  down_for_s: float = 5.0) -> None:
-        self.channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
+        self.channels = [grpc.aio.insecure_channel(a, options=GRPC_OPTIONS)
                          for a in speculators]
         self.clients = [speculator_pb2_grpc.SpeculatorStub(c) for c in self.channels]
         self.down_until = [0.0] * len(speculators)

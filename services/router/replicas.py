@@ -15,7 +15,7 @@ import logging
 import grpc
 
 from services.router.request import GenRequest, Replica
-from specinfer.net import CHANNEL_OPTIONS
+from specinfer.net import GRPC_OPTIONS
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ class ReplicaSet:
     def __init__(self, addresses: list[str], probe_every_s: float = 5.0) -> None:
         self.replicas = []
         for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
             self.replicas.append(Replica(address, verifier_pb2_grpc.VerifierStub(channel),
                                          channel))
         self.probe_every_s = probe_every_s

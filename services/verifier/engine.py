@@ -247,7 +247,7 @@ class VerifierEngine:
         gen = spec.params.make_generator() if not spec.params.greedy else None
         prompt_length = len(prompt) if spec.prompt_length is None else spec.prompt_length
         processed = process_logits(logits[0, -1:], spec.params, prompt[:prompt_length],
-                                   [prompt[prompt_length:]])
+                                   prompt[prompt_length:])
         token = self._pick(processed[0], spec.params, gen)
         self.sequences[spec.sequence_id] = SequenceState(
             spec.sequence_id, slot, list(prompt) + [token], spec.params, gen, spec.session_id,
@@ -365,10 +365,10 @@ class VerifierEngine:
         out = logits.float().clone()
         for b, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
             if seq.params.processes_logits:
-                generated = seq.tokens[seq.prompt_length:]
-                rows = [generated] + [generated + tree.path_tokens(i) for i in range(len(tree))]
-                out[b, : len(rows)] = process_logits(logits[b, : len(rows)], seq.params,
-                                                     seq.tokens[: seq.prompt_length], rows)
+                paths = [[]] + [tree.path_tokens(i) for i in range(len(tree))]
+                out[b, : len(paths)] = process_logits(
+                    logits[b, : len(paths)], seq.params, seq.tokens[: seq.prompt_length],
+                    seq.tokens[seq.prompt_length:], paths)
         return out
 
     def _head_trees(self, seqs: list[SequenceState], budgets: list[int],
