@@ -25,7 +25,9 @@ from transformers import DynamicCache
 from services.verifier.engine import EngineConfig
 from services.verifier.executor import ForwardArgs
 from services.verifier.parallel import build_engine
-from specinfer.models import DEFAULT_LLM
+from specinfer.models import DEFAULT_LLM, load_model
+from specinfer.placement import add_flags as add_placement_flags
+from specinfer.placement import from_flags
 from specinfer.tree import TokenTree, TreeBatch
 
 PREFIX = 128
@@ -57,13 +59,18 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,4,8,16,32,64")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--out", default="bench/results/verifier_cost.json")
+    add_placement_flags(ap)
     args = ap.parse_args()
+    placement = from_flags(args)
     sizes = [int(x) for x in args.sizes.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
 
     engine = build_engine(args.llm, EngineConfig(max_context=PREFIX + 128, slots=max(batches),
-                                                 max_tree_nodes=max(sizes)))
-    model = engine.executor.runtime.model
+                                                 max_tree_nodes=max(sizes)),
+                          placement=placement)
+    # The anchor is transformers as users run it: float32 on this CPU, its own copy (our
+    # runtime converts its model in place for other formats).
+    model = load_model(args.llm)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (1, PREFIX), generator=gen)
@@ -106,6 +113,7 @@ def main() -> None:
     results = {"machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(),
                            "torch": torch.__version__},
                "llm": args.llm, "dtype": str(engine.executor.dtype), "prefix": PREFIX,
+               "placement": placement.describe(),
                "tree": [], "batch": []}
     gen_ms, gen_spread = hf_generate_per_token()
     results["hf_generate_ms_per_token"] = gen_ms

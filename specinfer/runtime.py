@@ -14,10 +14,13 @@ that need it.
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from specinfer import linears
+from specinfer.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +29,11 @@ class KVCache:
     """Keys and values of every layer: ``[layers, slots, slot_len, kv_heads, head_dim]``."""
 
     def __init__(self, layers: int, slots: int, slot_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         shape = (layers, slots, slot_len, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def slot_len(self) -> int:
@@ -45,64 +49,45 @@ class KVCache:
         contiguous after the prefix). ``src[i] >= dst[i]``, ascending."""
         if src == dst:
             return
-        s, d = torch.tensor(src), torch.tensor(dst)
+        s = torch.tensor(src, device=self.k.device)
+        d = torch.tensor(dst, device=self.k.device)
         self.k[:, slot, d] = self.k[:, slot, s]
         self.v[:, slot, d] = self.v[:, slot, s]
 
 
-class Gemm:
-    """Linear layers for this runtime. Up to ``blas_rows`` rows go to the default BLAS,
-    which reads each weight once as a GEMV-like kernel; more rows (trees, prefill) go to
-    oneDNN with weights packed once at load. Where the two cross over depends on the CPU
-    (on the reference 2-core EPYC: BLAS is flat up to 3 rows, then oneDNN is 20% faster), so
-    it is measured once at load on this model's own weights. Modules other than a plain
-    ``nn.Linear`` (e.g. DeepSpeed's all-reducing shards, fbgemm fp16) are called."""
+class Projections:
+    """One layer's linears as this runtime calls them: q/k/v and gate/up each as one matrix
+    (``[q | k | v]`` and ``[gate | up]`` outputs)."""
 
-    def __init__(self, modules: list[torch.nn.Module], enabled: bool) -> None:
-        self.packed: dict[int, torch.Tensor] = {}
-        self.blas_rows = 1
-        if not enabled:
-            return
-        try:
-            for m in modules:
-                if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32:
-                    self.packed[id(m)] = torch.ops.mkldnn._reorder_linear_weight(m.weight, 16)
-        except (AttributeError, RuntimeError):  # no oneDNN in this torch build
-            self.packed.clear()
-        if self.packed:
-            self.blas_rows = self._crossover([m for m in modules if id(m) in self.packed])
+    def __init__(self, layer: torch.nn.Module, placement: Placement, measure: bool) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = fused([attn.q_proj, attn.k_proj, attn.v_proj], placement, measure)
+        self.gate_up = fused([mlp.gate_proj, mlp.up_proj], placement, measure)
+        self.o = fused([attn.o_proj], placement, measure)
+        self.down = fused([mlp.down_proj], placement, measure)
 
-    def _crossover(self, modules: list[torch.nn.Linear], max_rows: int = 8) -> int:
-        """The most rows for which BLAS still beats oneDNN (1 if it never does)."""
-        def best_of(rows: int, packed: bool, reps: int = 3) -> float:
-            xs = {m.in_features: torch.randn(rows, m.in_features) for m in modules}
-            best = float("inf")
-            for _ in range(reps):
-                start = time.perf_counter()
-                for m in modules:
-                    x = xs[m.in_features]
-                    self._onednn(m, x) if packed else F.linear(x, m.weight, m.bias)
-                best = min(best, time.perf_counter() - start)
-            return best
 
-        with torch.inference_mode():
-            rows = 1
-            while rows < max_rows and best_of(rows + 1, False) < best_of(rows + 1, True):
-                rows += 1
-        log.info("linear layers: BLAS up to the measured crossover, oneDNN beyond",
-                 extra={"blas_rows": rows})
-        return rows
+def fused(modules: list[torch.nn.Module], placement: Placement, measure: bool
+          ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The modules' outputs side by side: one fused linear for plain modules on the CPU;
+    on a GPU (graphs take away the launch cost; the modules' own weights, no copies) and
+    for sharded or quantized modules, the modules called one by one."""
+    if not placement.cuda and all(linears.plain(m) for m in modules):
+        return linears.build(modules, placement, measure)
+    if len(modules) == 1:
+        return linears.ModuleLinear(modules[0])
+    each = [linears.ModuleLinear(m) for m in modules]
+    return lambda x: torch.cat([f(x) for f in each], dim=-1)
 
-    def _onednn(self, module: torch.nn.Linear, flat: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(flat, self.packed[id(module)], module.bias,
-                                                  "none", [], "")
 
-    def __call__(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if id(module) not in self.packed or rows <= self.blas_rows:
-            return module(x)
-        out = self._onednn(module, x.reshape(rows, x.shape[-1]))
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+def rms_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Llama-family RMSNorm module's output in one fused op (bitwise the module's own:
+    normalised in float32, cast back, scaled)."""
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None:
+        return module(x)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return module.weight * normed.to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -117,15 +102,18 @@ class LlamaRuntime:
     Stage 0 embeds tokens; the last stage applies the final norm and the vocabulary head.
     The parts are a transformers model's modules (``from_model``) or any modules of the
     same kinds (a draft head's one layer over the LLM's embedding, norm and rotary table).
+    ``placement`` says where weights, cache and activations live and in what format; the
+    modules are moved there (on a GPU in place, so a model's weights exist once).
     """
 
     def __init__(self, config, layers: list[torch.nn.Module], embed_tokens: torch.nn.Module,
                  rotary_emb: torch.nn.Module, norm: torch.nn.Module, lm_head: torch.nn.Module,
                  slots: int, slot_len: int, first_layer: int = 0,
-                 last_layer: int | None = None, onednn: bool = True) -> None:
+                 last_layer: int | None = None, placement: Placement | None = None,
+                 measure: bool = True) -> None:
+        self.placement = placement = placement or Placement()
+        self.device, self.dtype = placement.device, placement.dtype
         self.config = config
-        self.embed_tokens, self.rotary_emb, self.norm = embed_tokens, rotary_emb, norm
-        self.lm_head = lm_head
         self.num_layers = config.num_hidden_layers
         self.first_layer = first_layer
         self.last_layer = self.num_layers if last_layer is None else last_layer
@@ -133,35 +121,57 @@ class LlamaRuntime:
             layers = layers[first_layer : self.last_layer]
         elif len(layers) != self.last_layer - first_layer:
             raise ValueError("the model holds neither all layers nor exactly this stage's")
-        self.layers = layers
         self.head_dim = getattr(config, "head_dim", None) or \
             config.hidden_size // config.num_attention_heads
         self.vocab_size = config.vocab_size
-        self.dtype = embed_tokens.weight.dtype
         # Local KV heads (fewer under tensor parallel): read off the k projection's shape.
-        k_weight = self.layers[0].self_attn.k_proj.weight
+        k_weight = layers[0].self_attn.k_proj.weight
         k_weight = k_weight() if callable(k_weight) else k_weight  # fbgemm modules: a method
         kv_heads = k_weight.shape[0] // self.head_dim
+        if placement.cuda:  # cuBLAS reads the modules' own weights: move them, no copies
+            for m in [*layers, embed_tokens, rotary_emb, norm, lm_head]:
+                m.to(placement.device, placement.dtype)
+        # On the CPU the linears are rebuilt in the placement's format first (int8 scales
+        # come from the original weights), then the rest of each module is converted.
+        self.proj = [Projections(layer, placement, measure) for layer in layers]
+        self.head_linear = None
+        if self.last_layer == self.num_layers:
+            self.head_linear = self.linear(lm_head, measure)
+        if not placement.cuda and placement.dtype != torch.float32:
+            for m in [*layers, embed_tokens, norm]:  # fbgemm's SSM linears: float32 only
+                m.to(placement.dtype)
+        self.layers = layers
+        self.embed_tokens, self.rotary_emb, self.norm = embed_tokens, rotary_emb, norm
+        self.lm_head = lm_head
+        # Attention (rotary, KV cache, softmax) runs in float32 on the CPU: there bfloat16
+        # attention is 4-6x slower than float32 (no bf16 kernel for it), and it keeps the
+        # scores exact; on a GPU in the placement's dtype (flash kernels).
+        self.attn_dtype = self.dtype if placement.cuda else torch.float32
         self.cache = KVCache(len(self.layers), slots, slot_len, kv_heads, self.head_dim,
-                             self.dtype)
-        linears = [m for layer in self.layers for m in layer.modules()
-                   if isinstance(m, torch.nn.Linear)]
-        if self.is_last:
-            linears.append(lm_head)
-        self.gemm = Gemm(linears, onednn)
+                             self.attn_dtype, self.device)
         self.model: torch.nn.Module | None = None  # the transformers model, with from_model
+        self._compiled = None
+        if placement.compile and not placement.cuda:
+            self._compiled = torch.compile(self._layers, dynamic=True)
+        log.info("runtime ready", extra={"placement": placement.describe(),
+                                         "layers": [self.first_layer, self.last_layer]})
 
     @classmethod
     def from_model(cls, model, slots: int, slot_len: int, first_layer: int = 0,
-                   last_layer: int | None = None, onednn: bool = True) -> LlamaRuntime:
+                   last_layer: int | None = None, placement: Placement | None = None
+                   ) -> LlamaRuntime:
         """The runtime over a loaded transformers model (its own modules, so DeepSpeed
         AutoTP's sharded linears drop in)."""
         body = model.model
         runtime = cls(model.config, list(body.layers), body.embed_tokens, body.rotary_emb,
                       body.norm, model.lm_head, slots, slot_len, first_layer, last_layer,
-                      onednn)
+                      placement)
         runtime.model = model
         return runtime
+
+    def linear(self, module: torch.nn.Module, measure: bool = True):
+        """``module`` as this runtime runs a linear (in its placement's format)."""
+        return fused([module], self.placement, measure)
 
     @property
     def is_first(self) -> bool:
@@ -171,38 +181,61 @@ class LlamaRuntime:
     def is_last(self) -> bool:
         return self.last_layer == self.num_layers
 
+    def to_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A host tensor (ids, positions, masks) on this runtime's device."""
+        if t is None or t.device == self.device:
+            return t
+        return t.to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens)
 
     @torch.inference_mode()
     def layers_forward(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                       offsets: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+                       offsets: torch.Tensor, visible: torch.Tensor | None,
+                       key_len: int | None = None) -> torch.Tensor:
         """Run this stage's layers. ``hidden [B, Q, H]``; ``positions [B, Q]`` rotary
         positions; ``slots [B]`` cache slots; ``offsets [B]`` where query 0's K/V is written;
         ``offsets [B, Q]`` gives every query's own cache position instead.
         ``visible [B, Q, K]`` bool, or None when every query sees every key up to its own
-        position (a single row decoding one token)."""
+        position (a single row decoding one token). Index tensors may be on the host: they
+        are moved here. ``key_len``: keys to attend over (K, or with no ``visible`` the last
+        write position + 1; pass it to spare a device-to-host read)."""
+        positions, slots, offsets = (self.to_device(t) for t in (positions, slots, offsets))
+        if visible is not None:
+            key_len = visible.shape[-1]
+            visible = self.to_device(visible)
+        elif key_len is None:
+            key_len = int(offsets.max()) + (1 if offsets.dim() == 2 else hidden.shape[1])
+        step = self._compiled or self._layers
+        return step(hidden, positions, slots, offsets, visible, key_len)
+
+    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                offsets: torch.Tensor, visible: torch.Tensor | None, key_len: int
+                ) -> torch.Tensor:
+        """The layer loop: device tensors only, no host reads (graph-capturable)."""
         b, q, _ = hidden.shape
-        cos, sin = self.rotary_emb(hidden, positions)
+        act, attn_dtype = hidden.dtype, self.attn_dtype
+        cos, sin = self.rotary_emb(hidden[:, :, :1].to(attn_dtype), positions)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, Q, 1, D]
-        write_pos = offsets if offsets.dim() == 2 else offsets[:, None] + torch.arange(q)[None, :]
+        write_pos = offsets if offsets.dim() == 2 else \
+            offsets[:, None] + torch.arange(q, device=hidden.device)[None, :]
         write_slot = slots[:, None].expand(b, q)
-        key_len = int(write_pos.max()) + 1 if visible is None else visible.shape[-1]
         mask = None
         if visible is not None:
-            mask = torch.zeros(visible.shape, dtype=hidden.dtype)
-            mask.masked_fill_(~visible, torch.finfo(hidden.dtype).min)
+            mask = torch.where(visible, 0.0, torch.finfo(attn_dtype).min).to(attn_dtype)
             mask = mask[:, None]
-        single = b == 1
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            gemm = self.gemm
-            qs = gemm(attn.q_proj, x).view(b, q, -1, self.head_dim)
-            ks = gemm(attn.k_proj, x).view(b, q, -1, self.head_dim)
-            vs = gemm(attn.v_proj, x).view(b, q, -1, self.head_dim)
-            qs = qs * cos + rotate_half(qs) * sin
-            ks = ks * cos + rotate_half(ks) * sin
+        single = b == 1 and not hidden.is_cuda  # (indexing by a device scalar syncs)
+        kv_heads = self.cache.k.shape[3]
+        for i, (layer, proj) in enumerate(zip(self.layers, self.proj, strict=True)):
+            heads = proj.qkv(rms_norm(layer.input_layernorm, hidden))
+            heads = heads.view(b, q, -1, self.head_dim).to(attn_dtype)  # [q | k | v] heads
+            split = heads.shape[2] - kv_heads
+            qk = heads[:, :, :split]  # rotary on q and k at once
+            qk = qk * cos + rotate_half(qk) * sin
+            qs, ks, vs = qk[:, :, : split - kv_heads], qk[:, :, split - kv_heads :], \
+                heads[:, :, split:]
             ck, cv = self.cache.k[i], self.cache.v[i]
             ck[write_slot, write_pos] = ks
             cv[write_slot, write_pos] = vs
@@ -212,26 +245,22 @@ class LlamaRuntime:
                 keys, values = ck[slots, :key_len], cv[slots, :key_len]
             out = F.scaled_dot_product_attention(
                 qs.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=mask, enable_gqa=True,
-                is_causal=False,
+                attn_mask=mask, enable_gqa=True, is_causal=False,
             )
-            hidden = hidden + gemm(attn.o_proj, out.transpose(1, 2).reshape(b, q, -1))
-            hidden = hidden + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+            hidden = hidden + proj.o(out.transpose(1, 2).reshape(b, q, -1).to(act))
+            gate, up = proj.gate_up(rms_norm(layer.post_attention_layernorm, hidden)).chunk(2, -1)
+            hidden = hidden + proj.down(layer.mlp.act_fn(gate) * up)
         return hidden
-
-    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
-        gemm = self.gemm
-        return gemm(mlp.down_proj, mlp.act_fn(gemm(mlp.gate_proj, x)) * gemm(mlp.up_proj, x))
 
     @torch.inference_mode()
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last layer's output, normed: the vocabulary head's input (the features a
         draft head reads)."""
-        return self.norm(hidden)
+        return rms_norm(self.norm, hidden)
 
     @torch.inference_mode()
     def head(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.gemm(self.lm_head, normed).float()
+        return self.head_linear(normed).float()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self.final_norm(hidden))

@@ -234,8 +234,9 @@ class VerifierEngine:
             reuse += 1
         features = None
         if self.head_drafter is not None:
-            features = torch.zeros(self.config.max_context,
-                                   self.head_drafter.runtime.config.hidden_size)
+            rt = self.head_drafter.runtime
+            features = torch.zeros(self.config.max_context, rt.config.hidden_size,
+                                   dtype=rt.dtype, device=rt.device)
             if reuse:
                 features[:reuse] = kept_features[:reuse]
         logits = None
@@ -246,7 +247,7 @@ class VerifierEngine:
                 features[start : start + len(chunk)] = self.executor.features[0]
         gen = spec.params.make_generator() if not spec.params.greedy else None
         prompt_length = len(prompt) if spec.prompt_length is None else spec.prompt_length
-        processed = process_logits(logits[0, -1:], spec.params, prompt[:prompt_length],
+        processed = process_logits(logits[0, -1:].cpu(), spec.params, prompt[:prompt_length],
                                    prompt[prompt_length:])
         token = self._pick(processed[0], spec.params, gen)
         self.sequences[spec.sequence_id] = SequenceState(
@@ -261,7 +262,7 @@ class VerifierEngine:
         """``tokens[i]``'s log-probability under ``logits[rows[i]]``, if asked for."""
         if params.logprobs is None:
             return []
-        return token_logprobs(logits[rows, : self.vocab_size], tokens, params.logprobs)
+        return token_logprobs(logits[rows, : self.vocab_size].cpu(), tokens, params.logprobs)
 
     def _forward_chain(self, slot: int, start: int, chunk: list[int],
                        features: bool = False) -> torch.Tensor:
@@ -362,12 +363,12 @@ class VerifierEngine:
         node is the one plain decoding would have there."""
         if not any(s.params.processes_logits for s in seqs):
             return logits
-        out = logits.float().clone()
+        out = logits.float().cpu().clone()  # processors index on the host; raw stays
         for b, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
             if seq.params.processes_logits:
                 paths = [[]] + [tree.path_tokens(i) for i in range(len(tree))]
                 out[b, : len(paths)] = process_logits(
-                    logits[b, : len(paths)], seq.params, seq.tokens[: seq.prompt_length],
+                    out[b, : len(paths)], seq.params, seq.tokens[: seq.prompt_length],
                     seq.tokens[seq.prompt_length:], paths)
         return out
 

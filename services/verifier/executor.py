@@ -26,6 +26,13 @@ class ForwardArgs:
     # input); local executor only.
     features: bool = False
 
+    @property
+    def key_len(self) -> int:
+        """Keys the queries attend over (read on the host: the step never syncs for it)."""
+        if self.visible is not None:
+            return self.visible.shape[-1]
+        return int(self.offsets.max()) + self.tokens.shape[1]
+
 
 class LocalExecutor:
     """The whole model in this process."""
@@ -33,15 +40,17 @@ class LocalExecutor:
     def __init__(self, runtime: LlamaRuntime) -> None:
         self.runtime = runtime
         self.vocab_size = runtime.vocab_size
-        self.dtype = runtime.dtype
+        self.dtype = runtime.placement.weight_format
+        self.device = runtime.device
         self.tp = 1
         self.pp = 1
         self.features: torch.Tensor | None = None  # [B, Q, H], of the last forward asking
 
     def forward(self, args: ForwardArgs) -> torch.Tensor:
+        """Float32 logits ``[B, Q or 1, V]`` on the runtime's device."""
         rt = self.runtime
-        hidden = rt.layers_forward(rt.embed(args.tokens), args.positions, args.slots,
-                                   args.offsets, args.visible)
+        hidden = rt.layers_forward(rt.embed(rt.to_device(args.tokens)), args.positions,
+                                   args.slots, args.offsets, args.visible, args.key_len)
         if args.last_only and not args.features:
             hidden = hidden[:, -1:]
         normed = rt.final_norm(hidden)

@@ -8,6 +8,8 @@ import logging
 
 from services.flags import DATASTORE_CHOICES, load_datastore, parse_expansion
 from specinfer.models import DEFAULT_LLM, ModelError
+from specinfer.placement import add_flags as add_placement_flags
+from specinfer.placement import from_flags
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-nodes", type=int, default=64)
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0 = auto)")
+    add_placement_flags(p)
     p.add_argument("--datastore", default="auto",
                    help="corpus drafts for Verify items that ask the verifier to draft: " +
                         DATASTORE_CHOICES)
@@ -64,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sequence_lease < 0:
         raise ModelError(f"--sequence-lease must be >= 0 seconds; got {args.sequence_lease}")
     head = _draft_head(args.draft_head, args.llm, args.tp * args.pp > 1)
+    placement = from_flags(args)
 
     def build():
         from specinfer.drafting.model_free import ModelFreeDrafter
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         drafter = ModelFreeDrafter(load_datastore(args.datastore, args.llm))
         return build_engine(args.llm, config, tp=args.tp, pp=args.pp,
                             micro_batches=args.micro_batches, threads=args.threads,
-                            drafter=drafter, head=head)
+                            drafter=drafter, head=head, placement=placement)
 
     asyncio.run(serve(build, args.host, args.port))
     return 0

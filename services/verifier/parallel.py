@@ -33,6 +33,7 @@ from services.verifier.engine import EngineConfig, VerifierEngine, eos_ids, slot
 from services.verifier.executor import ForwardArgs, LocalExecutor
 from specinfer.drafting.model_free import ModelFreeDrafter
 from specinfer.net import free_port
+from specinfer.placement import Placement
 from specinfer.runtime import LlamaRuntime
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class RankWorker:
                 hidden = self._recv_hidden((hi - lo, q, self.hidden_size))
             vis = None if args.visible is None else args.visible[lo:hi]
             hidden = rt.layers_forward(hidden, args.positions[lo:hi], args.slots[lo:hi],
-                                       args.offsets[lo:hi], vis)
+                                       args.offsets[lo:hi], vis, args.key_len)
             if not rt.is_last:
                 if self.tp_rank == 0:  # async, so this stage starts the next micro-batch
                     pending.append(dist.isend(hidden.contiguous(),
@@ -193,7 +194,8 @@ class ParallelExecutor:
         self.worker = worker
         self.procs = procs
         self.vocab_size = worker.runtime.vocab_size
-        self.dtype = worker.runtime.dtype
+        self.dtype = worker.runtime.placement.weight_format
+        self.device = worker.runtime.device
         self.tp, self.pp = worker.tp, worker.pp
         self.closed = False
 
@@ -229,10 +231,11 @@ class ParallelExecutor:
 
 def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
                  micro_batches: int = 2, threads: int = 0,
-                 drafter: ModelFreeDrafter | None = None, head: str | None = None
-                 ) -> VerifierEngine:
+                 drafter: ModelFreeDrafter | None = None, head: str | None = None,
+                 placement: Placement | None = None) -> VerifierEngine:
     """A verifier engine over ``tp * pp`` ranks; this process becomes rank 0. ``head``: a
     draft head directory (``specinfer train-head``; tp = pp = 1 only)."""
+    placement = placement or Placement()
     if tp < 1 or pp < 1:
         raise ValueError("--tp and --pp must be >= 1")
     if head and tp * pp > 1:
@@ -244,12 +247,13 @@ def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
         if threads:
             torch.set_num_threads(threads)
         model = load_model(llm)
-        runtime = LlamaRuntime.from_model(model, config.slots, slot_len(config))
+        runtime = LlamaRuntime.from_model(model, config.slots, slot_len(config),
+                                          placement=placement)
         drafts = None
         if head:
             drafts = FeatureDrafter(load_head(head, model), slots=config.slots,
                                     max_context=config.max_context,
-                                    max_tree_nodes=config.max_tree_nodes)
+                                    max_tree_nodes=config.max_tree_nodes, placement=placement)
         return VerifierEngine(LocalExecutor(runtime), config, llm, eos_ids(model), drafter,
                               drafts)
     port = free_port()

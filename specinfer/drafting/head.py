@@ -27,6 +27,7 @@ from torch import nn
 from specinfer.drafting import DraftRequest
 from specinfer.drafting.ssm import SSMDrafter
 from specinfer.models import ModelError, default_pool, quantize_linears
+from specinfer.placement import Placement
 from specinfer.runtime import LlamaRuntime
 from specinfer.tree import TokenTree
 
@@ -92,26 +93,31 @@ class FeatureDrafter(SSMDrafter):
     feature of the one before it. ``dtype`` as for SSMs; it converts the head's own linear
     modules in place, so the ``DraftHead`` is this drafter's afterwards."""
 
-    def __init__(self, head: DraftHead, *, dtype: str = "fp16", **kwargs) -> None:
-        quantize_linears(head, dtype)
-        self.fc = head.fc
+    def __init__(self, head: DraftHead, *, dtype: str = "fp16",
+                 placement: Placement | None = None, **kwargs) -> None:
+        if placement is None or placement == Placement():
+            quantize_linears(head, dtype)
         super().__init__(head, vocab_ids=head.vocab_ids,
-                         llm_vocab_size=head.llm.config.vocab_size, **kwargs)
+                         llm_vocab_size=head.llm.config.vocab_size, placement=placement,
+                         **kwargs)
+        self.fc = self.runtime.linear(head.fc)
 
     @staticmethod
-    def _runtime(head: DraftHead, slots: int, slot_len: int) -> LlamaRuntime:
-        """The head's one layer over the LLM's embedding, rotary table and final norm."""
+    def _runtime(head: DraftHead, slots: int, slot_len: int, placement: Placement
+                 ) -> LlamaRuntime:
+        """The head's one layer over the LLM's embedding, rotary table and final norm (the
+        verifier's runtime has placed those already)."""
         body = head.llm.model
         config = copy.copy(head.llm.config)
         config.num_hidden_layers = 1
         return LlamaRuntime(config, [head.layer], body.embed_tokens, body.rotary_emb,
-                            body.norm, head.lm_head, slots, slot_len)
+                            body.norm, head.lm_head, slots, slot_len, placement=placement)
 
     def _inputs(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
         if features is None:
             raise ValueError("a feature drafter needs the LLM's features")
-        return self.runtime.gemm(self.fc, torch.cat([features, self.runtime.embed(tokens)],
-                                                    -1))
+        embedded = self.runtime.embed(self.runtime.to_device(tokens))
+        return self.fc(torch.cat([features, embedded], -1))
 
     def propose(self, requests: list[DraftRequest]) -> list[TokenTree]:
         """Trees for requests in the caller's form: the whole context (at least 2 tokens)

@@ -24,6 +24,7 @@ import torch
 
 from specinfer.drafting import DraftRequest
 from specinfer.errors import check_token_ids
+from specinfer.placement import Placement
 from specinfer.runtime import LlamaRuntime
 from specinfer.sampling import SamplingParams, target_probs
 from specinfer.tree import ROOT, TokenTree, TreeBatch, expand_level
@@ -32,26 +33,31 @@ from specinfer.tree import ROOT, TokenTree, TreeBatch, expand_level
 class SSMDrafter:
     @classmethod
     def load(cls, ref: str, source: int = 0, *, dtype: str = "fp16",
-             llm_vocab_size: int | None = None, **kwargs) -> SSMDrafter:
-        """An SSM from any reference ``load_ssm`` accepts, its linears in ``dtype`` (see
-        ``models.quantize_linears``)."""
+             llm_vocab_size: int | None = None, placement: Placement | None = None,
+             **kwargs) -> SSMDrafter:
+        """An SSM from any reference ``load_ssm`` accepts. In the default placement (CPU,
+        float32) its linears are fbgemm's in ``dtype`` (see ``models.quantize_linears``);
+        any other placement runs them in its own format."""
         from specinfer.models import load_ssm, quantize_linears
 
         model, vocab_ids = load_ssm(ref)
-        quantize_linears(model, dtype)
+        if placement is None or placement == Placement():
+            quantize_linears(model, dtype)
         return cls(model, source, vocab_ids=vocab_ids, llm_vocab_size=llm_vocab_size,
-                   **kwargs)
+                   placement=placement, **kwargs)
 
     def __init__(self, model, source: int = 0, slots: int = 16, max_context: int = 2048,
                  max_tree_nodes: int = 64, draft_top_k: int = 32, chunk: int = 256,
                  vocab_ids: torch.Tensor | None = None, llm_vocab_size: int | None = None,
-                 dynamic_beam: int = 4, dynamic_top_k: int = 4, dynamic_depth: int = 6) -> None:
+                 dynamic_beam: int = 4, dynamic_top_k: int = 4, dynamic_depth: int = 6,
+                 placement: Placement | None = None) -> None:
         self.source = source
         self.max_context = max_context
         self.max_tree_nodes = max_tree_nodes
         self.draft_top_k = draft_top_k
         self.chunk = chunk
-        self.runtime = self._runtime(model, slots, max_context + max_tree_nodes + 1)
+        self.runtime = self._runtime(model, slots, max_context + max_tree_nodes + 1,
+                                     placement or Placement())
         self.slots = slots
         self.vocab_ids = vocab_ids
         self.vocab_size = llm_vocab_size or self.runtime.vocab_size
@@ -65,8 +71,8 @@ class SSMDrafter:
         self.entries: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
 
     @staticmethod
-    def _runtime(model, slots: int, slot_len: int) -> LlamaRuntime:
-        return LlamaRuntime.from_model(model, slots, slot_len)
+    def _runtime(model, slots: int, slot_len: int, placement: Placement) -> LlamaRuntime:
+        return LlamaRuntime.from_model(model, slots, slot_len, placement=placement)
 
     # --- cache ------------------------------------------------------------------------
 
@@ -86,7 +92,7 @@ class SSMDrafter:
     def _inputs(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
         """The first layer's input for ``tokens [B, Q]``: their embeddings. A feature
         drafter also reads each query's feature ``[B, Q, H]``."""
-        return self.runtime.embed(tokens)
+        return self.runtime.embed(self.runtime.to_device(tokens))
 
     def _forward(self, tokens, positions, slots, offsets, visible,
                  rows: torch.Tensor | None = None, features: torch.Tensor | None = None
@@ -99,7 +105,8 @@ class SSMDrafter:
         hidden = rt.layers_forward(self._inputs(tokens, features), positions, slots, offsets,
                                    visible)
         if rows is not None:
-            hidden = hidden[torch.arange(hidden.shape[0]), rows][:, None]
+            rows = rt.to_device(rows)
+            hidden = hidden[torch.arange(hidden.shape[0], device=rows.device), rows][:, None]
         normed = rt.final_norm(hidden)
         return rt.head(normed), normed
 
@@ -125,7 +132,7 @@ class SSMDrafter:
             feats = None
             if features is not None:
                 feats = torch.zeros(*batch.tokens.shape, features[0].shape[-1],
-                                    dtype=features[0].dtype)
+                                    dtype=features[0].dtype, device=features[0].device)
                 for i, b in enumerate(rows):
                     feats[i, : len(chunks[i])] = features[b][pos[b] : pos[b] + len(chunks[i])]
             logits, normed = self._forward(batch.tokens, batch.position_ids,
@@ -200,7 +207,8 @@ class SSMDrafter:
                 if width <= 0:
                     continue
                 frontier = expand[b][: max(1, room // width)]
-                probs = self._draft_probs(torch.stack([logits_of[b][u] for u in frontier]), req)
+                probs = self._draft_probs(torch.stack([logits_of[b][u] for u in frontier]),
+                                          req).cpu()  # drafts are sampled on the host
                 before = len(trees[b])
                 expand_level(trees[b], frontier, probs, width, source=self.source,
                              sample=not req.params.greedy, replacement=True,
@@ -259,7 +267,8 @@ class SSMDrafter:
         visible = torch.zeros(len(rows), q, key_len, dtype=torch.bool)
         feats = None
         if normed_of is not None:
-            feats = torch.zeros(len(rows), q, self.runtime.config.hidden_size)
+            feats = torch.zeros(len(rows), q, self.runtime.config.hidden_size,
+                                dtype=self.runtime.dtype, device=self.runtime.device)
         for i, b in enumerate(rows):
             tree, nodes = trees[b], expand[b]
             anc = tree.ancestors()

@@ -1,0 +1,153 @@
+"""The runtime's linear layers, one kernel choice per number format and device.
+
+A small model's decode step reads every weight once per token, so its speed is bytes per
+weight and per-call overhead. Measured on the reference 2-core EPYC (AVX-512 BF16), per
+call for SmolLM2's shapes: oneDNN with weights packed once at load beats the default BLAS
+from 1 row on the big matrices (the 49152-row vocabulary head: 4.3 vs 10 ms in float32);
+bfloat16 packed halves that again; torch's weight-only int8 kernel
+(``aten._weight_int8pack_mm``) is fastest for 1-2 rows but grows linearly with rows, so
+trees go to packed bfloat16 copies of the same (dequantized) weights. Where two kernels
+serve a format, the row count at which they cross is measured once per matrix at load.
+
+Every kernel takes ``x [..., in]`` and returns ``[..., out]`` in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from specinfer.placement import Placement
+
+log = logging.getLogger(__name__)
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]  # flat [rows, in] -> [rows, out]
+
+
+def _packed(weight: torch.Tensor, bias: torch.Tensor | None, compiled: bool = False
+            ) -> Kernel | None:
+    """oneDNN with the weight reordered once (float32 or bfloat16), or None without it
+    (or when compiled: inductor cannot lower the packed op with dynamic shapes)."""
+    if compiled:
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+    except (AttributeError, RuntimeError):  # a torch without oneDNN
+        return None
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _int8(weight: torch.Tensor, bias: torch.Tensor | None, act: torch.dtype
+          ) -> tuple[Kernel, torch.Tensor]:
+    """Weight-only int8, symmetric, one scale per output row; also returns the dequantized
+    weight (what the int8 kernel computes with), for the many-row kernel."""
+    w = weight.float()
+    scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    scale_act = scale.to(act)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int8pack_mm(x, q, scale_act)
+        return out if bias is None else out + bias
+
+    return run, q.float() * scale[:, None]
+
+
+class Linear:
+    """One projection (possibly several fused, e.g. q/k/v): ``small`` serves up to
+    ``small_rows`` rows, ``large`` the rest."""
+
+    def __init__(self, out_features: int, small: Kernel, large: Kernel | None = None,
+                 small_rows: int = 0) -> None:
+        self.out_features = out_features
+        self.small, self.large = small, large or small
+        self.small_rows = small_rows if large is not None else 1 << 30
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        flat = x.reshape(rows, x.shape[-1])
+        out = (self.small if rows <= self.small_rows else self.large)(flat)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class ModuleLinear:
+    """A module called as it is: DeepSpeed's all-reducing tensor-parallel shards, fbgemm's
+    quantized SSM linears."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def plain(module: torch.nn.Module) -> bool:
+    """A linear this module can rebuild from its weight (not a sharded or quantized one)."""
+    return type(module) is torch.nn.Linear
+
+
+def build(modules: list[torch.nn.Linear], placement: Placement, measure: bool = True
+          ) -> Linear:
+    """One ``Linear`` computing the plain ``modules`` side by side (their outputs
+    concatenated), in the placement's format on its device."""
+    weight = torch.cat([m.weight.detach() for m in modules]).float()
+    biases = [m.bias for m in modules]
+    bias = None if all(b is None for b in biases) else torch.cat([
+        b.detach().float() if b is not None else torch.zeros(m.out_features)
+        for m, b in zip(modules, biases, strict=True)])
+    out = weight.shape[0]
+    act, dev = placement.dtype, placement.device
+    if bias is not None:
+        bias = bias.to(dev, act)
+    if placement.cuda:  # cuBLAS picks its own kernels; graphs take away the overhead
+        w = weight.to(dev, act).contiguous()
+        return Linear(out, lambda x: F.linear(x, w, bias))
+    if placement.quantize == "int8":
+        small, dequant = _int8(weight, bias, act)
+        large = _packed(dequant.to(act), bias, placement.compile) or _blas(dequant.to(act), bias)
+        # One row always takes the int8 kernel: from memory (a model is bigger than the
+        # caches) it reads half of bfloat16's bytes; the load-time timing is cache-hot.
+        return _routed(out, small, large, weight.shape[1], act, measure, min_rows=1)
+    w = weight.to(act).contiguous()
+    if act == torch.float32:
+        packed = _packed(w, bias, placement.compile)
+        if packed is None:
+            return Linear(out, _blas(w, bias))
+        return _routed(out, _blas(w, bias), packed, weight.shape[1], act, measure)
+    if act == torch.bfloat16:  # one kernel for every row count: batch-independent rows
+        return Linear(out, _packed(w, bias, placement.compile) or _blas(w, bias))
+    return Linear(out, _blas(w, bias))
+
+
+def _blas(weight: torch.Tensor, bias: torch.Tensor | None) -> Kernel:
+    return lambda x: F.linear(x, weight, bias)
+
+
+def _routed(out: int, small: Kernel, large: Kernel, in_features: int, act: torch.dtype,
+            measure: bool, max_rows: int = 8, min_rows: int = 0) -> Linear:
+    """``small`` up to the most rows at which it is still faster than ``large`` (at least
+    ``min_rows``)."""
+    if not measure:
+        return Linear(out, small, large, min_rows)
+
+    def best_of(kernel: Kernel, x: torch.Tensor, reps: int = 3) -> float:
+        kernel(x)
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            kernel(x)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    rows = min_rows
+    with torch.inference_mode():
+        while rows < max_rows:
+            x = torch.randn(rows + 1, in_features).to(act)
+            if best_of(small, x) >= best_of(large, x):
+                break
+            rows += 1
+    return Linear(out, small, large, rows)
