@@ -28,17 +28,38 @@ log = logging.getLogger(__name__)
 Kernel = Callable[[torch.Tensor], torch.Tensor]  # flat [rows, in] -> [rows, out]
 
 
+# oneDNN's bfloat16 kernels give a row the same bits whatever the row count up to this
+# reduction length; beyond it they block the reduction differently for one row than for
+# many (measured on AVX-512 BF16), so longer reductions are cut into parts this long.
+INVARIANT_K = 1024
+
+
 def _packed(weight: torch.Tensor, bias: torch.Tensor | None, compiled: bool = False
             ) -> Kernel | None:
     """oneDNN with the weight reordered once (float32 or bfloat16), or None without it
-    (or when compiled: inductor cannot lower the packed op with dynamic shapes)."""
+    (or when compiled: inductor cannot lower the packed op with dynamic shapes). In
+    bfloat16 a row's output does not depend on how many rows come with it."""
     if compiled:
         return None
+    k = weight.shape[1]
+    parts = 1 if weight.dtype == torch.float32 else -(-k // INVARIANT_K)
+    bounds = [k * i // parts for i in range(parts + 1)]
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(weight[:, a:b].contiguous(), 16)
+                  for a, b in zip(bounds, bounds[1:], strict=False)]
     except (AttributeError, RuntimeError):  # a torch without oneDNN
         return None
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if parts == 1:
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed[0], bias, "none", [], "")
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        out = bias
+        for w, a, b in zip(packed, bounds, bounds[1:], strict=False):
+            part = torch.ops.mkldnn._linear_pointwise(x[:, a:b], w, None, "none", [], "")
+            out = part if out is None else out + part
+        return out
+
+    return run
 
 
 def _int8(weight: torch.Tensor, bias: torch.Tensor | None, act: torch.dtype

@@ -147,6 +147,7 @@ class LlamaRuntime:
         # attention is 4-6x slower than float32 (no bf16 kernel for it), and it keeps the
         # scores exact; on a GPU in the placement's dtype (flash kernels).
         self.attn_dtype = self.dtype if placement.cuda else torch.float32
+        self.batch_invariant = not placement.cuda and self.dtype != torch.float32
         self.cache = KVCache(len(self.layers), slots, slot_len, kv_heads, self.head_dim,
                              self.attn_dtype, self.device)
         self.model: torch.nn.Module | None = None  # the transformers model, with from_model
@@ -243,14 +244,31 @@ class LlamaRuntime:
                 keys, values = ck[slots[0], :key_len][None], cv[slots[0], :key_len][None]
             else:
                 keys, values = ck[slots, :key_len], cv[slots, :key_len]
-            out = F.scaled_dot_product_attention(
-                qs.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=mask, enable_gqa=True, is_causal=False,
-            )
+            out = self._attention(qs.transpose(1, 2), keys.transpose(1, 2),
+                                  values.transpose(1, 2), mask)
             hidden = hidden + proj.o(out.transpose(1, 2).reshape(b, q, -1).to(act))
             gate, up = proj.gate_up(rms_norm(layer.post_attention_layernorm, hidden)).chunk(2, -1)
             hidden = hidden + proj.down(layer.mlp.act_fn(gate) * up)
         return hidden
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        """``q [B, Hq, Q, D]`` over ``k, v [B, Hkv, K, D]``. In float32 SDPA's kernels
+        round differently for 1 query and for a tree's many (a row's result depends on the
+        batch shape, at the last bit); that is harmless in float32 but flips bfloat16
+        roundings downstream, so the CPU's bfloat16 and int8 formats compute scores and
+        softmax in float64, where every row comes out the same (rounded to float32) whatever
+        the shape: speculative output then equals plain decoding."""
+        if not self.batch_invariant:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        b, hq, nq, d = q.shape
+        hkv = k.shape[1]
+        qd = q.double().reshape(b, hkv, (hq // hkv) * nq, d)  # q head h reads kv head h // g
+        scores = torch.matmul(qd, k.double().transpose(-1, -2)) * (d ** -0.5)
+        if mask is not None:
+            scores = (scores.view(b, hkv, hq // hkv, nq, -1) + mask[:, :, None]).flatten(2, 3)
+        out = torch.matmul(scores.softmax(-1), v.double())
+        return out.view(b, hq, nq, d).to(q.dtype)
 
     @torch.inference_mode()
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
