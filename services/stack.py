@@ -15,6 +15,8 @@ import time
 from services.router.policy import SPECULATION_CHOICES
 from specinfer.models import DEFAULT_LLM
 from specinfer.net import free_port
+from specinfer.placement import add_flags as add_placement_flags
+from specinfer.placement import from_flags
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--datastore", default="auto", help="the speculators' and verifiers' "
                    "corpus drafts: auto, none or a saved .npz")
     p.add_argument("--speculation", choices=tuple(SPECULATION_CHOICES), default="adaptive")
+    add_placement_flags(p)  # the verifiers' and speculators' (validated here, before starting)
 
 
 def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) -> bool:
@@ -60,6 +63,9 @@ def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) ->
 
 def run(args: argparse.Namespace) -> int:
     exe = [sys.executable, "-m", "services"]
+    from_flags(args)  # a bad --device/--dtype fails here, not in every service
+    placement = ["--device", args.device, "--dtype", args.dtype, "--quantize", args.quantize,
+                 "--compile", args.compile]
     procs: list[subprocess.Popen] = []
     stopping = False
 
@@ -79,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             "serve", "verifier", "--llm", args.llm, "--port", str(port), "--tp", str(args.tp),
             "--pp", str(args.pp), "--slots", str(args.slots), "--max-context",
             str(args.max_context), "--threads", str(threads), "--datastore", args.datastore,
-            "--draft-head", args.draft_head]))
+            "--draft-head", args.draft_head, *placement]))
     speculators = []
     for _ in range(args.speculators):
         port = free_port()
@@ -90,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             cmd += ["--ssm", ref]
         if args.expansion:
             cmd += ["--expansion", args.expansion]
-        cmd += ["--datastore", args.datastore]
+        cmd += ["--datastore", args.datastore, *placement]
         procs.append(subprocess.Popen(cmd))
     router = f"{args.host}:{args.port}"
     cmd = exe + ["serve", "router", "--llm", args.llm, "--host", args.host, "--port",

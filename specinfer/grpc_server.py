@@ -80,10 +80,12 @@ class Service:
 
 
 async def serve_engine(name: str, servicer, register, full_name: str, build, host: str,
-                       port: int, grace_s: float = 10.0, close=None) -> None:
+                       port: int, grace_s: float = 10.0, close=None, healthy=None) -> None:
     """Run a service whose ``servicer`` holds an ``engine`` built by ``build()`` on its
     single worker thread (``servicer.pool``): listen at once (NOT_SERVING), build, report
-    SERVING, run until SIGTERM/SIGINT, then ``close(engine)`` on the worker thread."""
+    SERVING, run until SIGTERM/SIGINT, then ``close(engine)`` on the worker thread. With
+    ``healthy(engine)`` (read every second off the worker thread), the first False turns
+    health to NOT_SERVING for good."""
     service = Service(name, host, port)
     register(servicer, service.server)
     service.add(full_name)
@@ -92,8 +94,20 @@ async def serve_engine(name: str, servicer, register, full_name: str, build, hos
     servicer.engine = await loop.run_in_executor(servicer.pool, build)
     await service.set_serving()
 
+    async def watch() -> None:
+        while healthy(servicer.engine):
+            await asyncio.sleep(1.0)
+        log.error("engine unhealthy: NOT_SERVING", extra={"role": name})
+        await service._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    watcher = asyncio.create_task(watch()) if healthy is not None else None
+
     async def stop() -> None:
         if close is not None:
             await loop.run_in_executor(servicer.pool, close, servicer.engine)
 
-    await service.run_until_signal(grace_s, on_stop=stop)
+    try:
+        await service.run_until_signal(grace_s, on_stop=stop)
+    finally:
+        if watcher is not None:
+            watcher.cancel()

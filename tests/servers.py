@@ -23,11 +23,12 @@ def wait_serving(addr: str, proc: subprocess.Popen, timeout: float = 180.0) -> N
 
 
 @contextmanager
-def service(*args: str, timeout: float = 180.0):
-    """Run ``specinfer serve ...``; yields (address, process); SIGTERM on exit."""
+def service(*args: str, timeout: float = 180.0, env: dict[str, str] | None = None):
+    """Run ``specinfer serve ...`` (``env``: added to the environment); yields (address,
+    process); SIGTERM on exit."""
     port = free_port()
     cmd = [sys.executable, "-m", "services", "serve", *args, "--port", str(port)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     addr = f"127.0.0.1:{port}"
     try:
         wait_serving(addr, proc, timeout)

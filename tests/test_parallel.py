@@ -1,13 +1,24 @@
 """Tensor parallel (DeepSpeed AutoTP), pipeline parallel, and both together give the same
-greedy tokens as a single process (tiny random Llama, rank processes on gloo)."""
+greedy tokens as a single process (tiny random Llama, rank processes on gloo), also with
+the pipeline stages started as separate commands; a lost stage fails fast."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from servers import free_port, service
 
 from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine, layer_range
 from specinfer.tree import TokenTree
+from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 
 
 def run(model_dir: str, tp: int, pp: int):
@@ -44,3 +55,55 @@ def test_layer_ranges_cover_every_layer_once():
             assert ranges[0][0] == 0 and ranges[-1][1] == layers
             assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
             assert all(hi > lo for lo, hi in ranges)
+
+
+def test_stages_started_as_separate_commands(tiny_llama, reference):
+    """TP 2 x PP 2 with stage 1 started by its own command, both stages meeting through
+    the environment (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, RANK counting nodes): the
+    same greedy tokens as one process; killing stage 1 makes the verifier answer
+    UNAVAILABLE and report NOT_SERVING within seconds, and its stage-0 peer rank exit."""
+    port = free_port()
+    meet = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    layout = ["--llm", tiny_llama, "--tp", "2", "--pp", "2", "--rank-timeout", "10",
+              "--datastore", "none", "--draft-head", "none"]
+    stage1 = subprocess.Popen([sys.executable, "-m", "services", "serve", "verifier", *layout],
+                              env={**os.environ, **meet, "RANK": "1"}, start_new_session=True)
+    try:
+        with service("verifier", *layout, "--slots", "4", "--max-context", "128",
+                     env={**meet, "RANK": "0"}) as (addr, _):
+            channel = grpc.insecure_channel(addr)
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            gen = torch.Generator().manual_seed(3)
+            prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (5, 11, 8)]
+            ids = [f"s{i}" for i in range(3)]
+            first = stub.Prefill(verifier_pb2.PrefillRequest(items=[
+                verifier_pb2.PrefillItem(sequence_id=s, token_ids=p)
+                for s, p in zip(ids, prompts, strict=True)]), timeout=60)
+            tokens = [[r.token] for r in first.results]
+            for _ in range(11):
+                out = stub.Decode(verifier_pb2.DecodeRequest(items=[
+                    verifier_pb2.DecodeItem(sequence_id=s, root_token=t[-1])
+                    for s, t in zip(ids, tokens, strict=True)]), timeout=60)
+                for t, r in zip(tokens, out.results, strict=True):
+                    t.append(r.token)
+            assert tokens == reference[1]  # plain decoding in one process
+
+            os.killpg(stage1.pid, signal.SIGKILL)
+            stage1.wait()
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Decode(verifier_pb2.DecodeRequest(items=[
+                    verifier_pb2.DecodeItem(sequence_id=s, root_token=t[-1])
+                    for s, t in zip(ids, tokens, strict=True)]), timeout=60)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "lost a rank" in err.value.details()
+            assert time.monotonic() - start < 15
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 5
+            while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+                    health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, "still SERVING after losing a stage"
+                time.sleep(0.2)
+    finally:
+        if stage1.poll() is None:
+            os.killpg(stage1.pid, signal.SIGKILL)

@@ -8,6 +8,8 @@ import logging
 
 from services.flags import DATASTORE_CHOICES, load_datastore, parse_expansion
 from specinfer.models import DEFAULT_LLM
+from specinfer.placement import add_flags as add_placement_flags
+from specinfer.placement import from_flags
 
 log = logging.getLogger(__name__)
 
@@ -18,8 +20,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="an SSM (repeatable): a boost-tune output directory, a model, or "
                         "LLM#layers=N; default: the bundled pool if present")
     p.add_argument("--ssm-dtype", choices=["fp16", "int8", "fp32"], default="fp16",
-                   help="SSM linears: fp16 (default; exact cache hits), int8 (fastest; "
-                        "drafts may vary with the batch at near-ties) or fp32")
+                   help="SSM linears with the default placement (CPU, float32): fbgemm fp16 "
+                        "(default; exact cache hits), int8 (drafts may vary with the batch "
+                        "at near-ties) or fp32; other --dtype/--quantize choices run the "
+                        "SSMs in that format instead")
     p.add_argument("--no-ngram", action="store_true", help="disable prompt-lookup drafts")
     p.add_argument("--datastore", default="auto", help="corpus drafts: " + DATASTORE_CHOICES)
     p.add_argument("--expansion", default=None,
@@ -31,6 +35,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50052)
     p.add_argument("--threads", type=int, default=0)
+    add_placement_flags(p)
 
 
 def build(args: argparse.Namespace):
@@ -45,9 +50,10 @@ def build(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     refs = args.ssm if args.ssm is not None else default_pool(args.llm)
     vocab = AutoConfig.from_pretrained(materialize(args.llm)).vocab_size
+    placement = from_flags(args)
     pool = [SSMDrafter.load(ref, source, dtype=args.ssm_dtype, llm_vocab_size=vocab,
                             slots=args.slots, max_context=args.max_context,
-                            max_tree_nodes=args.max_nodes)
+                            max_tree_nodes=args.max_nodes, placement=placement)
             for source, ref in enumerate(refs)]
     expansion = parse_expansion(args.expansion, "--expansion", 0) if args.expansion else None
     datastore = load_datastore(args.datastore, args.llm)
@@ -61,5 +67,6 @@ def build(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from services.speculator.server import serve
 
+    from_flags(args)  # fail on bad placement flags before serving
     asyncio.run(serve(lambda: build(args), args.host, args.port))
     return 0

@@ -22,6 +22,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--micro-batches", type=int, default=2,
                    help="pipeline micro-batches per step (pp > 1)")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="this node's pipeline stage when the stages run on separate machines "
+                        "or pods (default: LWS_WORKER_INDEX or RANK from the environment); "
+                        "node 0 serves gRPC, the others follow it")
+    p.add_argument("--master-addr", default=None,
+                   help="node 0's address (default: LWS_LEADER_ADDRESS or MASTER_ADDR)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="node 0's rendezvous port (default: MASTER_PORT or 29500)")
+    p.add_argument("--rank-timeout", type=float, default=30.0,
+                   help="seconds a rank may go unheard before the verifier reports it lost "
+                        "(UNAVAILABLE, NOT_SERVING)")
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--slots", type=int, default=8, help="sequences held in the KV cache at once")
     p.add_argument("--max-tree-nodes", type=int, default=64)
@@ -53,7 +64,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from services.verifier.engine import EngineConfig
-    from services.verifier.parallel import build_engine
+    from services.verifier.parallel import build_engine, rendezvous_from, run_stage
     from services.verifier.server import serve
 
     expansion = tuple(parse_expansion(args.head_expansion, "--head-expansion"))
@@ -68,6 +79,12 @@ def run(args: argparse.Namespace) -> int:
         raise ModelError(f"--sequence-lease must be >= 0 seconds; got {args.sequence_lease}")
     head = _draft_head(args.draft_head, args.llm, args.tp * args.pp > 1)
     placement = from_flags(args)
+    if args.rank_timeout <= 0:
+        raise ModelError(f"--rank-timeout must be > 0 seconds; got {args.rank_timeout}")
+    meet = rendezvous_from(args.node_rank, args.master_addr, args.master_port, args.pp,
+                           args.rank_timeout)
+    if meet is not None and meet.node_rank > 0:  # a follower node: no gRPC here
+        return run_stage(args.tp, args.pp, meet, args.threads, placement.cuda)
 
     def build():
         from specinfer.drafting.model_free import ModelFreeDrafter
@@ -75,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         drafter = ModelFreeDrafter(load_datastore(args.datastore, args.llm))
         return build_engine(args.llm, config, tp=args.tp, pp=args.pp,
                             micro_batches=args.micro_batches, threads=args.threads,
-                            drafter=drafter, head=head, placement=placement)
+                            drafter=drafter, head=head, placement=placement, meet=meet)
 
     asyncio.run(serve(build, args.host, args.port))
     return 0

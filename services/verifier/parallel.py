@@ -1,9 +1,17 @@
 """Tensor and pipeline parallelism for the verifier.
 
-``--tp T --pp P`` runs ``T * P`` rank processes (rank 0 is the gRPC server; it starts the
-others). Rank r serves pipeline stage ``r // T`` (a contiguous range of layers) as tensor
-rank ``r % T`` of that stage's group, sharded by DeepSpeed AutoTP
-(``deepspeed.init_inference``). Backend: gloo on CPU (nccl would serve CUDA).
+``--tp T --pp P`` runs ``T * P`` rank processes. Rank r serves pipeline stage ``r // T``
+(a contiguous range of layers) as tensor rank ``r % T`` of that stage's group, sharded by
+DeepSpeed AutoTP (``deepspeed.init_inference``). Backend: NCCL on CUDA (one process per
+GPU), gloo on the CPU; control messages always on gloo.
+
+On one machine rank 0 (the gRPC server) starts every other rank. Across machines or pods
+each pipeline stage is one node started by its own command (``--node-rank N
+--master-addr H``, or the environment a LeaderWorkerSet or torchrun-style launcher sets:
+``Rendezvous``); node N runs ranks ``N*T .. N*T+T-1``. Only rank 0 serves gRPC; the other
+nodes take the model and config from it, and its health reports theirs: collectives time
+out (``--rank-timeout``), rank 0 pings when idle, so a lost rank makes the verifier answer
+UNAVAILABLE and report NOT_SERVING within seconds, and the other ranks exit.
 
 Rank 0 drives every step: it broadcasts each executor call (forward or KV compaction) to
 all ranks, then every rank runs its part. Hidden states flow stage to stage by
@@ -16,6 +24,7 @@ back to rank 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -24,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,8 +41,10 @@ import torch.distributed as dist
 from services.verifier.engine import EngineConfig, VerifierEngine, eos_ids, slot_len
 from services.verifier.executor import ForwardArgs, LocalExecutor
 from specinfer.drafting.model_free import ModelFreeDrafter
+from specinfer.errors import ServiceError, Unavailable
+from specinfer.models import ModelError
 from specinfer.net import free_port
-from specinfer.placement import Placement
+from specinfer.placement import Placement, resolve
 from specinfer.runtime import LlamaRuntime
 
 log = logging.getLogger(__name__)
@@ -80,47 +91,116 @@ def layer_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
     return first, first + base + (1 if stage < extra else 0)
 
 
-class RankWorker:
-    """One rank's share of the model and its part in each step."""
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one verifier meet. On one machine (``node_rank`` None) rank 0
+    starts every other rank itself; across machines or pods each node (pipeline stage) is
+    started by its own command and runs ``tp`` ranks, one per GPU."""
 
-    def __init__(self, llm: str, config: EngineConfig, rank: int, tp: int, pp: int,
-                 micro_batches: int, master_port: int, threads: int = 0) -> None:
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    node_rank: int | None = None
+    # Collectives that wait longer than this fail: a lost rank turns into UNAVAILABLE (rank
+    # 0) or an exit (the others). Rank 0 pings the others every quarter of it when idle.
+    timeout_s: float = 30.0
+    # The first meeting waits this long: pods load their stage at different speeds.
+    startup_timeout_s: float = 600.0
+
+
+def rendezvous_from(node_rank: int | None, master_addr: str | None, master_port: int | None,
+                    pp: int, timeout_s: float = 30.0,
+                    environ: dict[str, str] | None = None) -> Rendezvous | None:
+    """The multi-node rendezvous the flags or the environment name, or None (one machine).
+    Flags win; then a LeaderWorkerSet's ``LWS_LEADER_ADDRESS``/``LWS_WORKER_INDEX``/
+    ``LWS_GROUP_SIZE``; then ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``, where
+    RANK and WORLD_SIZE count nodes (pipeline stages), not processes."""
+    env = os.environ if environ is None else environ
+    lws = "LWS_LEADER_ADDRESS" in env
+    addr = master_addr or env.get("LWS_LEADER_ADDRESS") or env.get("MASTER_ADDR")
+    if node_rank is None:
+        index = env.get("LWS_WORKER_INDEX") if lws else env.get("RANK")
+        node_rank = int(index) if index not in (None, "") else None
+    if node_rank is None and master_addr is None and not lws:
+        return None
+    if addr is None:
+        raise ModelError("--node-rank needs --master-addr (or MASTER_ADDR / "
+                         "LWS_LEADER_ADDRESS): the address of node 0")
+    if node_rank is None:
+        raise ModelError("--master-addr needs --node-rank (or RANK / LWS_WORKER_INDEX)")
+    size = env.get("LWS_GROUP_SIZE") if lws else env.get("WORLD_SIZE")
+    if size not in (None, "") and int(size) != pp:
+        raise ModelError(f"{'LWS_GROUP_SIZE' if lws else 'WORLD_SIZE'}={size} nodes, but "
+                         f"--pp {pp}: each node serves one pipeline stage")
+    if not 0 <= node_rank < pp:
+        raise ModelError(f"--node-rank must be in 0..{pp - 1} (--pp {pp}); got {node_rank}")
+    port = master_port or int(env.get("MASTER_PORT") or 29500)
+    return Rendezvous(addr, port, node_rank, timeout_s)
+
+
+class RankWorker:
+    """One rank's share of the model and its part in each step. Every rank takes the
+    model, engine config and number format from rank 0 at the first meeting, so the
+    commands of other nodes need only the layout flags (``--tp --pp --node-rank``)."""
+
+    def __init__(self, spec: dict, rank: int, tp: int, pp: int, meet: Rendezvous,
+                 threads: int = 0, cuda: bool = False) -> None:
         from specinfer.models import load_model
 
         self.rank, self.tp, self.pp = rank, tp, pp
         self.world = tp * pp
         self.stage, self.tp_rank = divmod(rank, tp)
-        self.micro_batches = max(1, micro_batches)
+        local_ranks = self.world if meet.node_rank is None else tp
         cores = os.cpu_count() or 1
-        torch.set_num_threads(threads or max(1, cores // self.world))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
-                          RANK=str(rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(rank),
-                          LOCAL_SIZE=str(self.world))
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        _disable_deepspeed_shm_allreduce()
+        torch.set_num_threads(threads or max(1, cores // local_ranks))
+        os.environ.update(MASTER_ADDR=meet.master_addr, MASTER_PORT=str(meet.master_port),
+                          RANK=str(rank), WORLD_SIZE=str(self.world),
+                          LOCAL_RANK=str(rank % local_ranks), LOCAL_SIZE=str(local_ranks))
+        if cuda:
+            torch.cuda.set_device(self.tp_rank)
+        else:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            _disable_deepspeed_shm_allreduce()
         import deepspeed
 
-        # Followers wait in a broadcast between requests: an idle server must not time out.
-        deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(days=365))
-        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo",
+                                   timeout=datetime.timedelta(seconds=meet.startup_timeout_s))
+        # Everything after the first meeting runs in groups with the short timeout.
+        timeout = datetime.timedelta(seconds=meet.timeout_s)
+        self.group = dist.new_group(list(range(self.world)), timeout=timeout)
+        # Control messages (pickled calls) always travel on gloo, on the host.
+        self.control = self.group if not cuda else \
+            dist.new_group(list(range(self.world)), timeout=timeout, backend="gloo")
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=timeout)
+                  for s in range(pp)]
         self.stage_ranks = list(range(self.stage * tp, (self.stage + 1) * tp))
         self.stage_group = groups[self.stage]
+        box = [spec]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        spec = box[0]
+        self.spec = spec
+        self.micro_batches = max(1, spec["micro_batches"])
+        config = EngineConfig(**spec["config"])
+        device = f"cuda:{self.tp_rank}" if cuda else "cpu"
+        placement = resolve(device, spec["dtype"], spec["quantize"], spec["compile"])
 
-        model = load_model(llm)
+        model = load_model(spec["llm"])
         self.eos_token_ids = eos_ids(model)
         first, last = layer_range(model.config.num_hidden_layers, pp, self.stage)
         model.model.layers = torch.nn.ModuleList(list(model.model.layers)[first:last])
         if tp > 1:
             engine = deepspeed.init_inference(
-                model, dtype=torch.float32, replace_with_kernel_inject=False,
+                model, dtype=placement.dtype if cuda else torch.float32,
+                replace_with_kernel_inject=False,
                 tensor_parallel={"tp_size": tp, "mpu": _StageGroup(self.stage_group,
                                                                     self.stage_ranks)},
             )
             model = engine.module
-        self.runtime = LlamaRuntime.from_model(model, config.slots, slot_len(config), first, last)
+        self.runtime = LlamaRuntime.from_model(model, config.slots, slot_len(config), first,
+                                               last, placement)
         self.hidden_size = model.config.hidden_size
         log.info("rank ready", extra={"rank": rank, "stage": self.stage, "tp_rank": self.tp_rank,
-                                      "layers": [first, last]})
+                                      "layers": [first, last],
+                                      "placement": placement.describe()})
 
     # --- point-to-point between stages ----------------------------------------------
 
@@ -128,9 +208,9 @@ class RankWorker:
         return stage * self.tp
 
     def _recv_hidden(self, shape: tuple[int, ...]) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=self.runtime.dtype)
+        buf = torch.empty(shape, dtype=self.runtime.dtype, device=self.runtime.device)
         if self.tp_rank == 0:
-            dist.recv(buf, src=self._stage_head(self.stage - 1))
+            dist.recv(buf, src=self._stage_head(self.stage - 1), group=self.group)
         if self.tp > 1:
             dist.broadcast(buf, src=self.stage_ranks[0], group=self.stage_group)
         return buf
@@ -144,7 +224,7 @@ class RankWorker:
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             tokens, q = args.tokens[lo:hi], args.tokens.shape[1]
             if rt.is_first:
-                hidden = rt.embed(tokens)
+                hidden = rt.embed(rt.to_device(tokens))
             else:
                 hidden = self._recv_hidden((hi - lo, q, self.hidden_size))
             vis = None if args.visible is None else args.visible[lo:hi]
@@ -153,7 +233,8 @@ class RankWorker:
             if not rt.is_last:
                 if self.tp_rank == 0:  # async, so this stage starts the next micro-batch
                     pending.append(dist.isend(hidden.contiguous(),
-                                              dst=self._stage_head(self.stage + 1)))
+                                              dst=self._stage_head(self.stage + 1),
+                                              group=self.group))
                 continue
             if args.last_only:
                 hidden = hidden[:, -1:]
@@ -161,36 +242,47 @@ class RankWorker:
             if self.rank == 0:
                 logits.append(out)
             elif self.tp_rank == 0:
-                pending.append(dist.isend(out.contiguous(), dst=0))
+                pending.append(dist.isend(out.contiguous(), dst=0, group=self.group))
         if self.rank == 0 and not rt.is_last:  # collect the last stage's logits
             q_out = 1 if args.last_only else args.tokens.shape[1]
             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-                buf = torch.empty((hi - lo, q_out, rt.vocab_size), dtype=torch.float32)
-                dist.recv(buf, src=self._stage_head(self.pp - 1))
+                buf = torch.empty((hi - lo, q_out, rt.vocab_size), dtype=torch.float32,
+                                  device=rt.device)
+                dist.recv(buf, src=self._stage_head(self.pp - 1), group=self.group)
                 logits.append(buf)
         for work in pending:
             work.wait()
         return torch.cat(logits) if self.rank == 0 else None
 
     def follow(self) -> None:
-        """Follower loop: replay rank 0's calls until it says stop."""
+        """Follower loop: replay rank 0's calls until it says stop. Rank 0 pings at least
+        every quarter of the timeout, so a wait that times out means rank 0 is gone: exit
+        non-zero (the pod restarts; a local rank's parent is gone anyway)."""
         while True:
             box = [None]
-            dist.broadcast_object_list(box, src=0)
-            op, payload = box[0]
-            if op == "forward":
-                self.forward(payload)
-            elif op == "compact":
-                self.runtime.cache.compact(*payload)
-            elif op == "stop":
-                break
+            try:
+                dist.broadcast_object_list(box, src=0, group=self.control)
+                op, payload = box[0]
+                if op == "forward":
+                    self.forward(payload)
+                elif op == "compact":
+                    self.runtime.cache.compact(*payload)
+                elif op == "stop":
+                    break
+            except RuntimeError as exc:  # gloo/NCCL: a peer closed or timed out
+                log.error("lost rank 0 or a peer stage; exiting",
+                          extra={"rank": self.rank, "error": str(exc)[:300]})
+                os._exit(3)
         dist.destroy_process_group()
 
 
 class ParallelExecutor:
-    """Rank 0's executor: broadcasts each call, then does its own part."""
+    """Rank 0's executor: broadcasts each call, then does its own part. A failed
+    collective (a rank died, or timed out) breaks it for good: every later call answers
+    UNAVAILABLE, so routers fail over, and the health check reports NOT_SERVING."""
 
-    def __init__(self, worker: RankWorker, procs: list[subprocess.Popen]) -> None:
+    def __init__(self, worker: RankWorker, procs: list[subprocess.Popen],
+                 heartbeat_s: float = 5.0) -> None:
         self.worker = worker
         self.procs = procs
         self.vocab_size = worker.runtime.vocab_size
@@ -198,43 +290,99 @@ class ParallelExecutor:
         self.device = worker.runtime.device
         self.tp, self.pp = worker.tp, worker.pp
         self.closed = False
+        self.broken: str | None = None
+        self.lock = threading.Lock()
+        self.last_call = time.monotonic()
+        self._stop = threading.Event()
+        self._pinger = threading.Thread(target=self._ping_loop, args=(heartbeat_s,),
+                                        daemon=True, name="rank-heartbeat")
+        self._pinger.start()
 
-    def _check_followers(self) -> None:
-        dead = [p.args for p in self.procs if p.poll() is not None]
-        if dead:
-            raise RuntimeError(f"{len(dead)} verifier rank process(es) exited")
+    @property
+    def healthy(self) -> bool:
+        return self.broken is None and not self.closed
+
+    def _ping_loop(self, every: float) -> None:
+        """Keep the other ranks' waits short of their timeout, and find a lost rank while
+        no request is in flight."""
+        while not self._stop.wait(every / 2):
+            if time.monotonic() - self.last_call >= every:
+                try:
+                    self._call("ping", None)
+                except ServiceError:
+                    return
+
+    def _call(self, op: str, payload, local=None):
+        """Broadcast one call and do rank 0's part, under the lock; a failure breaks the
+        executor."""
+        with self.lock:
+            if self.broken is not None:
+                raise Unavailable(f"this verifier lost a rank ({self.broken}); it must be "
+                                  "restarted")
+            if self.closed:
+                raise Unavailable("this verifier is stopping")
+            try:
+                dead = [p.pid for p in self.procs if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"rank process(es) {dead} exited")
+                dist.broadcast_object_list([(op, payload)], src=0, group=self.worker.control)
+                out = local() if local is not None else None
+            except RuntimeError as exc:  # a peer closed its connection or timed out
+                self.broken = str(exc)[:200] or type(exc).__name__
+                log.error("verifier rank lost: answering UNAVAILABLE from now on",
+                          extra={"error": self.broken})
+                raise Unavailable(f"this verifier lost a rank ({self.broken}); it must be "
+                                  "restarted") from exc
+            finally:
+                self.last_call = time.monotonic()
+            return out
 
     def forward(self, args: ForwardArgs) -> torch.Tensor:
-        self._check_followers()
-        dist.broadcast_object_list([("forward", args)], src=0)
-        return self.worker.forward(args)
+        return self._call("forward", args, lambda: self.worker.forward(args))
 
     def compact(self, slot: int, src: list[int], dst: list[int]) -> None:
         if src == dst:
             return
-        dist.broadcast_object_list([("compact", (slot, src, dst))], src=0)
-        self.worker.runtime.cache.compact(slot, src, dst)
+        self._call("compact", (slot, src, dst),
+                   lambda: self.worker.runtime.cache.compact(slot, src, dst))
 
     def close(self) -> None:
         if self.closed:
             return
-        self.closed = True
-        if all(p.poll() is None for p in self.procs):
-            dist.broadcast_object_list([("stop", None)], src=0)
+        self._stop.set()
+        with self.lock:
+            self.closed = True
+            if self.broken is None and all(p.poll() is None for p in self.procs):
+                with contextlib.suppress(RuntimeError):
+                    dist.broadcast_object_list([("stop", None)], src=0,
+                                               group=self.worker.control)
         for p in self.procs:
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
-        dist.destroy_process_group()
+        if self.broken is None:
+            dist.destroy_process_group()
+
+
+def _spawn_followers(ranks: range, tp: int, pp: int, meet: Rendezvous, threads: int,
+                     cuda: bool) -> list[subprocess.Popen]:
+    """This node's other ranks, as child processes."""
+    spec = json.dumps({"tp": tp, "pp": pp, "meet": asdict(meet), "threads": threads,
+                       "cuda": cuda, "parent": os.getpid()})
+    return [subprocess.Popen([sys.executable, "-m", "services.verifier.parallel",
+                              "--rank", str(r), "--spec", spec]) for r in ranks]
 
 
 def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
                  micro_batches: int = 2, threads: int = 0,
                  drafter: ModelFreeDrafter | None = None, head: str | None = None,
-                 placement: Placement | None = None) -> VerifierEngine:
+                 placement: Placement | None = None, meet: Rendezvous | None = None
+                 ) -> VerifierEngine:
     """A verifier engine over ``tp * pp`` ranks; this process becomes rank 0. ``head``: a
-    draft head directory (``specinfer train-head``; tp = pp = 1 only)."""
+    draft head directory (``specinfer train-head``; tp = pp = 1 only). ``meet``: the
+    multi-node rendezvous (this process is node 0's first rank), else every rank runs
+    here."""
     placement = placement or Placement()
     if tp < 1 or pp < 1:
         raise ValueError("--tp and --pp must be >= 1")
@@ -256,27 +404,49 @@ def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
                                     max_tree_nodes=config.max_tree_nodes, placement=placement)
         return VerifierEngine(LocalExecutor(runtime), config, llm, eos_ids(model), drafter,
                               drafts)
-    port = free_port()
-    spec = json.dumps({"llm": llm, "config": asdict(config), "tp": tp, "pp": pp,
-                       "micro_batches": micro_batches, "master_port": port,
-                       "threads": threads, "parent": os.getpid()})
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "services.verifier.parallel", "--rank", str(r),
-                          "--spec", spec])
-        for r in range(1, tp * pp)
-    ]
+    meet = meet or Rendezvous(master_port=free_port())
+    local = range(1, tp) if meet.node_rank is not None else range(1, tp * pp)
+    spec = {"llm": llm, "config": asdict(config), "micro_batches": micro_batches,
+            "device": placement.device.type, "dtype": _name(placement.dtype),
+            "quantize": placement.quantize, "compile": "on" if placement.compile else "off"}
+    procs = _spawn_followers(local, tp, pp, meet, threads, placement.cuda)
     try:
-        worker = RankWorker(llm, config, 0, tp, pp, micro_batches, port, threads)
+        worker = RankWorker(spec, 0, tp, pp, meet, threads, placement.cuda)
     except BaseException:
         for p in procs:
             p.kill()
         raise
-    return VerifierEngine(ParallelExecutor(worker, procs), config, llm, worker.eos_token_ids,
-                          drafter)
+    return VerifierEngine(ParallelExecutor(worker, procs, heartbeat_s=meet.timeout_s / 4),
+                          config, llm, worker.eos_token_ids, drafter)
+
+
+def run_stage(tp: int, pp: int, meet: Rendezvous, threads: int = 0, cuda: bool = False
+              ) -> int:
+    """A node other than 0: its stage's ``tp`` ranks (on this node's GPUs with ``cuda``),
+    following rank 0 until it stops (exit 0) or is lost (exit 3). The model, engine config
+    and number format come from rank 0."""
+    first = meet.node_rank * tp
+    procs = _spawn_followers(range(first + 1, first + tp), tp, pp, meet, threads, cuda)
+    log.info("pipeline stage starting", extra={"stage": meet.node_rank, "ranks": tp,
+                                               "master": f"{meet.master_addr}:"
+                                                         f"{meet.master_port}"})
+    try:
+        RankWorker({}, first, tp, pp, meet, threads, cuda).follow()
+    finally:
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return 0
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _exit_with_parent(parent: int) -> None:
-    """A follower blocked in a collective would outlive a killed rank 0: watch for it."""
+    """A follower blocked in a collective would outlive a killed parent: watch for it."""
     def watch() -> None:
         while True:
             if os.getppid() != parent:
@@ -296,8 +466,8 @@ def main() -> None:
     spec = json.loads(args.spec)
     setup_logging(f"verifier-rank{args.rank}")
     _exit_with_parent(spec["parent"])
-    worker = RankWorker(spec["llm"], EngineConfig(**spec["config"]), args.rank, spec["tp"],
-                        spec["pp"], spec["micro_batches"], spec["master_port"], spec["threads"])
+    worker = RankWorker({}, args.rank, spec["tp"], spec["pp"], Rendezvous(**spec["meet"]),
+                        spec["threads"], spec["cuda"])
     worker.follow()
 
 

@@ -138,6 +138,7 @@ async def serve(build, host: str, port: int, grace_s: float = 10.0,
         await serve_engine("verifier", servicer,
                            verifier_pb2_grpc.add_VerifierServicer_to_server,
                            verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
-                           build, host, port, grace_s, close=lambda e: e.executor.close())
+                           build, host, port, grace_s, close=lambda e: e.executor.close(),
+                           healthy=lambda e: getattr(e.executor, "healthy", True))
     finally:
         sweeper.cancel()

@@ -146,7 +146,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "kv_capacity_tokens", "kv_free_tokens", "dtype", "tensor_parallel", "pipeline_parallel", "max_tree_nodes", "eos_token_ids", "live_sequences", "draft_head", "sequence_lease_seconds")
+    __slots__ = ("model", "vocab_size", "max_context", "kv_capacity_tokens", "kv_free_tokens", "dtype", "tensor_parallel", "pipeline_parallel", "max_tree_nodes", "eos_token_ids", "live_sequences", "draft_head", "sequence_lease_seconds", "device")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class InfoResponse(_message.Message):
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HEAD_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -173,4 +174,5 @@ class InfoResponse(_message.Message):
     live_sequences: int
     draft_head: bool
     sequence_lease_seconds: float
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., live_sequences: _Optional[int] = ..., draft_head: _Optional[bool] = ..., sequence_lease_seconds: _Optional[float] = ...) -> None: ...
+    device: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., live_sequences: _Optional[int] = ..., draft_head: _Optional[bool] = ..., sequence_lease_seconds: _Optional[float] = ..., device: _Optional[str] = ...) -> None: ...
