@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.setup-done
 PROTOS := $(wildcard proto/specinfer/v1/*.proto)
 
-.PHONY: setup proto lint test run bench bench-quick clean
+.PHONY: setup proto lint test run bench bench-quick gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,13 @@ bench: setup
 
 bench-quick: setup
 	$(PY) bench/run.py --quick
+
+# Pure-Python (and protobuf) wheels bench/gpu_smoke.sh may lack on an offline GPU machine
+# with Python 3.12; bring this folder along with the repository.
+gpu-wheels: setup
+	$(PIP) download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+		--no-deps -d bench/gpu-wheels pytest==9.2.0 pluggy iniconfig packaging \
+		grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -129,8 +129,9 @@ class LlamaRuntime:
         k_weight = k_weight() if callable(k_weight) else k_weight  # fbgemm modules: a method
         kv_heads = k_weight.shape[0] // self.head_dim
         if placement.cuda:  # cuBLAS reads the modules' own weights: move them, no copies
-            for m in [*layers, embed_tokens, rotary_emb, norm, lm_head]:
+            for m in [*layers, embed_tokens, norm, lm_head]:
                 m.to(placement.device, placement.dtype)
+        rotary_emb.to(placement.device)  # its frequencies stay float32
         # On the CPU the linears are rebuilt in the placement's format first (int8 scales
         # come from the original weights), then the rest of each module is converted.
         self.proj = [Projections(layer, placement, measure) for layer in layers]
@@ -148,8 +149,11 @@ class LlamaRuntime:
         # scores exact; on a GPU in the placement's dtype (flash kernels).
         self.attn_dtype = self.dtype if placement.cuda else torch.float32
         self.batch_invariant = not placement.cuda and self.dtype != torch.float32
-        self.cache = KVCache(len(self.layers), slots, slot_len, kv_heads, self.head_dim,
+        # One more slot takes the K/V writes of padding (CUDA graphs' bucketed shapes).
+        self.scratch_slot = slots
+        self.cache = KVCache(len(self.layers), slots + 1, slot_len, kv_heads, self.head_dim,
                              self.attn_dtype, self.device)
+        self._graphs = None
         self.model: torch.nn.Module | None = None  # the transformers model, with from_model
         self._compiled = None
         if placement.compile and not placement.cuda:
@@ -209,8 +213,18 @@ class LlamaRuntime:
             visible = self.to_device(visible)
         elif key_len is None:
             key_len = int(offsets.max()) + (1 if offsets.dim() == 2 else hidden.shape[1])
+        if self._graphs is not None and self._graphs.fits(hidden.shape[0], hidden.shape[1]):
+            return self._graphs(hidden, positions, slots, offsets, visible, key_len)
         step = self._compiled or self._layers
         return step(hidden, positions, slots, offsets, visible, key_len)
+
+    def capture_graphs(self, max_queries: int) -> None:
+        """With a compiled placement on a GPU: capture the layer loop for every bucket of
+        batch rows and queries up to ``max_queries`` per row (a tree and its root)."""
+        if self.placement.cuda and self.placement.compile:
+            from specinfer.graphs import GraphedLayers
+
+            self._graphs = GraphedLayers(self, max_queries)
 
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 offsets: torch.Tensor, visible: torch.Tensor | None, key_len: int
@@ -222,7 +236,10 @@ class LlamaRuntime:
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, Q, 1, D]
         write_pos = offsets if offsets.dim() == 2 else \
             offsets[:, None] + torch.arange(q, device=hidden.device)[None, :]
-        write_slot = slots[:, None].expand(b, q)
+        if slots.dim() == 2:  # per-query write slots (graph padding); rows read query 0's
+            write_slot, slots = slots, slots[:, 0]
+        else:
+            write_slot = slots[:, None].expand(b, q)
         mask = None
         if visible is not None:
             mask = torch.where(visible, 0.0, torch.finfo(attn_dtype).min).to(attn_dtype)

@@ -21,6 +21,7 @@ from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
 from specinfer.drafting.ssm import SSMDrafter
 from specinfer.models import load_model, load_ssm
+from specinfer.placement import resolve
 from specinfer.sampling import SamplingParams
 
 N = 1000
@@ -38,12 +39,16 @@ def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
     return float(chi2_contingency(table).pvalue)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(0.7), SamplingParams(1.0, top_p=0.8),
-                                    SamplingParams(1.0, frequency_penalty=-2.0,
-                                                   presence_penalty=-2.0)],
-                         ids=["T=0.7", "top_p=0.8", "T=1 penalties=-2"])
-def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params):
-    engine = build_engine(tiny_llama, EngineConfig(max_context=64, slots=4))
+@pytest.mark.parametrize("params,dtype", [
+    (SamplingParams(0.7), "float32"), (SamplingParams(1.0, top_p=0.8), "float32"),
+    (SamplingParams(1.0, frequency_penalty=-2.0, presence_penalty=-2.0), "float32"),
+    (SamplingParams(0.7), "bfloat16"), (SamplingParams(0.7), "int8"),
+], ids=["T=0.7", "top_p=0.8", "T=1 penalties=-2", "T=0.7 bfloat16", "T=0.7 int8"])
+def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params, dtype):
+    """In every number format: MSS is exact for whatever distribution the LLM computes."""
+    placement = resolve("cpu", quantize="int8") if dtype == "int8" else resolve("cpu", dtype)
+    engine = build_engine(tiny_llama, EngineConfig(max_context=64, slots=4),
+                          placement=placement)
     model, _ = load_ssm(f"{tiny_llama}#layers=2")
     spec = SpeculatorEngine([SSMDrafter(model, 0, slots=4, max_context=64)], 128,
                             expansion=[2, 2, 1], max_nodes=16)

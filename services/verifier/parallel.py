@@ -197,6 +197,7 @@ class RankWorker:
             model = engine.module
         self.runtime = LlamaRuntime.from_model(model, config.slots, slot_len(config), first,
                                                last, placement)
+        self.runtime.capture_graphs(config.max_tree_nodes + 1)
         self.hidden_size = model.config.hidden_size
         log.info("rank ready", extra={"rank": rank, "stage": self.stage, "tp_rank": self.tp_rank,
                                       "layers": [first, last],
@@ -397,6 +398,7 @@ def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
         model = load_model(llm)
         runtime = LlamaRuntime.from_model(model, config.slots, slot_len(config),
                                           placement=placement)
+        runtime.capture_graphs(config.max_tree_nodes + 1)
         drafts = None
         if head:
             drafts = FeatureDrafter(load_head(head, model), slots=config.slots,

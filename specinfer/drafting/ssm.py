@@ -58,6 +58,7 @@ class SSMDrafter:
         self.chunk = chunk
         self.runtime = self._runtime(model, slots, max_context + max_tree_nodes + 1,
                                      placement or Placement())
+        self.runtime.capture_graphs(max_tree_nodes + 1)
         self.slots = slots
         self.vocab_ids = vocab_ids
         self.vocab_size = llm_vocab_size or self.runtime.vocab_size

@@ -1,0 +1,213 @@
+"""Devices and number formats (``--device --dtype --quantize --compile``) on a tiny random
+Llama: the flags' errors, bfloat16 batch invariance (speculative greedy output equals the
+same engine's plain decoding, bit for bit), int8's error bound, the compiled step, and a
+guard that no tensor of a step is created off the runtime's device. CUDA-marked tests run
+only where a GPU is visible (``bench/gpu_smoke.sh``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import decoy_tree
+from test_verifier_engine import hf_greedy, noisy_oracle
+from transformers import AutoModelForCausalLM
+
+from services.verifier.engine import EngineConfig
+from services.verifier.executor import ForwardArgs
+from services.verifier.local import generate_local
+from services.verifier.parallel import build_engine
+from specinfer import linears
+from specinfer.placement import Placement, PlacementError, resolve
+from specinfer.tree import TokenTree, TreeBatch
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def engine_in(model_dir: str, placement: Placement, **config):
+    cfg = dict(max_context=128, slots=4, max_tree_nodes=24) | config
+    return build_engine(model_dir, EngineConfig(**cfg), placement=placement)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (3, 17, 9, 30)]
+
+
+# --- flags ------------------------------------------------------------------------------
+
+def test_auto_is_float32_on_the_cpu_and_bad_flags_name_themselves():
+    if not torch.cuda.is_available():
+        assert resolve() == Placement()  # the token-identical default
+    assert resolve("cpu", "auto", "int8").dtype == torch.bfloat16
+    for kwargs, flag in [({"device": "tpu"}, "--device"), ({"dtype": "fp8"}, "--dtype"),
+                         ({"quantize": "int4"}, "--quantize"),
+                         ({"device": "cpu", "dtype": "float16", "quantize": "int8"},
+                          "--quantize"), ({"compile": "maybe"}, "--compile")]:
+        with pytest.raises(PlacementError, match=flag):
+            resolve(**kwargs)
+    if not torch.cuda.is_available():
+        with pytest.raises(PlacementError, match="no CUDA GPU"):
+            resolve("cuda")
+
+
+def test_info_reports_the_format(tiny_llama):
+    assert engine_in(tiny_llama, resolve("cpu", "bfloat16")).info()["dtype"] == "bfloat16"
+    info = engine_in(tiny_llama, resolve("cpu", quantize="int8")).info()
+    assert info["dtype"] == "int8-bfloat16" and info["device"] == "cpu"
+
+
+# --- exactness per format ---------------------------------------------------------------
+
+def test_float32_greedy_equals_transformers(tiny_llama, hf_model):
+    engine = engine_in(tiny_llama, resolve("cpu", "float32"))
+    for prompt, res in zip(prompts(), generate_local(engine, prompts(), 30,
+                                                      trees=noisy_oracle(hf_model, 1)),
+                           strict=True):
+        assert res.token_ids == hf_greedy(hf_model, prompt, 30)
+
+
+def test_bfloat16_speculation_equals_its_own_plain_decoding(tiny_llama, hf_model):
+    """Batch-invariant kernels: a row's bits do not depend on the rows beside it, so trees,
+    batches and single-token steps agree exactly (and speculation really accepted)."""
+    engine = engine_in(tiny_llama, resolve("cpu", "bfloat16"))
+    plain = [r.token_ids for r in generate_local(engine, prompts(), 40)]
+    single = [generate_local(engine, [p], 40)[0].token_ids for p in prompts()]
+    spec = generate_local(engine, prompts(), 40, trees=noisy_oracle(hf_model, 1))
+    assert [r.token_ids for r in spec] == plain == single
+    assert sum(len(r.token_ids) - 1 for r in spec) > 1.5 * sum(r.steps for r in spec)
+
+
+def test_bfloat16_rows_do_not_depend_on_the_batch():
+    """The kernels themselves, at reduction lengths on both sides of INVARIANT_K."""
+    gen = torch.Generator().manual_seed(0)
+    placement = resolve("cpu", "bfloat16")
+    for k in (64, 1536, 2304):
+        module = torch.nn.Linear(k, 96, bias=False)
+        module.weight.data = torch.randn(96, k, generator=gen) * 0.05
+        linear = linears.build([module], placement)
+        x = torch.randn(33, k, generator=gen).to(torch.bfloat16)
+        full = linear(x)
+        assert all(torch.equal(linear(x[i : i + 1]), full[i : i + 1]) for i in range(33))
+        ref = x.float() @ module.weight.T
+        assert (full.float() - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+def test_int8_linears_stay_within_their_quantization_error():
+    gen = torch.Generator().manual_seed(0)
+    module = torch.nn.Linear(256, 512)
+    module.weight.data = torch.randn(512, 256, generator=gen) * 0.05
+    linear = linears.build([module], resolve("cpu", quantize="int8"))
+    for rows in (1, 3, 17):  # the int8 kernel and the many-row kernel
+        x = torch.randn(rows, 256, generator=gen)
+        ref = module(x)
+        out = linear(x.to(torch.bfloat16)).float()
+        assert (out - ref).abs().max() <= 0.02 * ref.abs().max(), rows
+
+
+def test_int8_engine_decodes_close_to_float32(tiny_llama, hf_model):
+    """Weight-only int8 is not exact; its greedy text follows float32's for a while."""
+    engine = engine_in(tiny_llama, resolve("cpu", quantize="int8"))
+    agree = []
+    for prompt, res in zip(prompts(), generate_local(engine, prompts(), 16), strict=True):
+        ref = hf_greedy(hf_model, prompt, 16)
+        agree.append(next((i for i, (a, b) in enumerate(zip(res.token_ids, ref,
+                                                             strict=True)) if a != b), 16))
+    assert sum(agree) >= 0.5 * 16 * len(agree), agree
+
+
+def test_compiled_step_gives_the_eager_tokens(tiny_llama, hf_model):
+    eager = engine_in(tiny_llama, resolve("cpu", compile="off"))
+    compiled = engine_in(tiny_llama, resolve("cpu", compile="on"))
+    assert compiled.executor.runtime._compiled is not None
+    trees = noisy_oracle(hf_model, 2)
+    a = generate_local(eager, prompts(1)[:2], 12, trees=trees)
+    b = generate_local(compiled, prompts(1)[:2], 12, trees=trees)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+# --- device placement -------------------------------------------------------------------
+
+def step_inputs(vocab: int) -> list[ForwardArgs]:
+    """A prefill chunk, a single decode row, and a batch of trees: host tensors, as the
+    engine makes them."""
+    gen = torch.Generator().manual_seed(0)
+    chain = TreeBatch.build([TokenTree.chain(list(range(1, 20)))], [0], [0])
+    trees = [decoy_tree([3, 4, 5], vocab, gen), decoy_tree([7, 8], vocab, gen)]
+    batch = TreeBatch.build(trees, [1, 2], [20, 20])
+    return [
+        ForwardArgs(chain.tokens, chain.position_ids, torch.tensor([0]), torch.tensor([0]),
+                    chain.visibility(20), last_only=True, features=True),
+        ForwardArgs(torch.tensor([[5]]), torch.tensor([[20]]), torch.tensor([0]),
+                    torch.tensor([20]), None),
+        ForwardArgs(batch.tokens, batch.position_ids, torch.tensor([0, 1]), batch.prefix_lens,
+                    batch.visibility(20 + batch.tokens.shape[1])),
+    ]
+
+
+def check_device(engine, device: torch.device) -> None:
+    """Run steps with torch's default device set to ``meta``: a tensor the step creates
+    without naming its device lands there and fails the step; everything it keeps must be
+    on ``device``."""
+    ex = engine.executor
+    rt = ex.runtime
+    assert rt.cache.k.device == device and rt.cache.v.device == device
+    for args in step_inputs(rt.vocab_size):
+        with torch.device("meta"):
+            logits = ex.forward(args)
+            ex.compact(0, [21, 22], [20, 21])
+        assert logits.device == device and logits.dtype == torch.float32
+        assert not logits.isnan().any()
+        if args.features:
+            assert ex.features.device == device
+
+
+@pytest.mark.parametrize("placement", [resolve("cpu", "float32"), resolve("cpu", "bfloat16"),
+                                       resolve("cpu", quantize="int8")],
+                         ids=["float32", "bfloat16", "int8"])
+def test_no_step_tensor_is_created_off_the_device(tiny_llama, placement):
+    check_device(engine_in(tiny_llama, placement), torch.device("cpu"))
+
+
+# --- CUDA ---------------------------------------------------------------------------------
+
+@cuda
+def test_cuda_placement_and_float32_exactness(tiny_llama, hf_model):
+    engine = engine_in(tiny_llama, resolve("cuda", "float32", compile="off"))
+    check_device(engine, torch.device("cuda", torch.cuda.current_device()))
+    for prompt, res in zip(prompts(), generate_local(engine, prompts(), 30,
+                                                      trees=noisy_oracle(hf_model, 1)),
+                           strict=True):
+        assert res.token_ids == hf_greedy(hf_model, prompt, 30)
+
+
+@cuda
+def test_cuda_bfloat16_graphs_match_eager(tiny_llama, hf_model):
+    eager = engine_in(tiny_llama, resolve("cuda", "bfloat16", compile="off"))
+    graphs = engine_in(tiny_llama, resolve("cuda", "bfloat16", compile="on"))
+    trees = noisy_oracle(hf_model, 1)
+    a = generate_local(eager, prompts(), 24, trees=trees)
+    b = generate_local(graphs, prompts(), 24, trees=trees)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_graph_buckets_and_padding_give_the_eager_tokens(tiny_llama, hf_model):
+    """The CUDA-graph path's bucketed shapes, scratch-slot padding and whole-slot masks,
+    run uncaptured on the CPU: the same tokens as the eager step."""
+    from specinfer.graphs import GraphedLayers, buckets
+
+    assert buckets(9) == [1, 2, 4, 8, 9] and buckets(1) == [1]
+    eager = engine_in(tiny_llama, resolve("cpu", "float32"))
+    padded = engine_in(tiny_llama, resolve("cpu", "float32"))
+    rt = padded.executor.runtime
+    rt._graphs = GraphedLayers(rt, 25)
+    trees = noisy_oracle(hf_model, 3)
+    a = generate_local(eager, prompts(2)[:3], 16, trees=trees)
+    b = generate_local(padded, prompts(2)[:3], 16, trees=trees)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    c = generate_local(padded, prompts(2)[:3], 16)
+    assert [r.token_ids for r in c] == [r.token_ids for r in a]
