@@ -16,7 +16,8 @@ from servers import free_port, service
 
 from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
-from services.verifier.parallel import build_engine, layer_range
+from services.verifier.parallel import build_engine, layer_range, rendezvous_from
+from specinfer.models import ModelError
 from specinfer.tree import TokenTree
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -107,3 +108,26 @@ def test_stages_started_as_separate_commands(tiny_llama, reference):
     finally:
         if stage1.poll() is None:
             os.killpg(stage1.pid, signal.SIGKILL)
+
+
+def test_rendezvous_from_flags_and_environment():
+    assert rendezvous_from(None, None, None, 2, environ={}) is None
+    assert rendezvous_from(None, None, None, 2, environ={"MASTER_ADDR": "h"}) is None
+    lws = {"LWS_LEADER_ADDRESS": "verifier-0.verifier", "LWS_WORKER_INDEX": "1",
+           "LWS_GROUP_SIZE": "2", "RANK": "7"}
+    meet = rendezvous_from(None, None, None, 2, environ=lws)
+    assert (meet.master_addr, meet.master_port, meet.node_rank) == ("verifier-0.verifier",
+                                                                    29500, 1)
+    env = {"MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "4000", "RANK": "0", "WORLD_SIZE": "3"}
+    meet = rendezvous_from(None, None, None, 3, environ=env)
+    assert (meet.master_addr, meet.master_port, meet.node_rank) == ("10.0.0.5", 4000, 0)
+    meet = rendezvous_from(2, "other", 5000, 3, environ=env)  # flags win
+    assert (meet.master_addr, meet.master_port, meet.node_rank) == ("other", 5000, 2)
+    for args, env, message in [
+        ((1, None, None, 2), {}, "--master-addr"),
+        ((None, "h", None, 2), {}, "--node-rank"),
+        ((None, None, None, 2), {**lws, "LWS_GROUP_SIZE": "3"}, "LWS_GROUP_SIZE=3"),
+        ((2, "h", None, 2), {}, "--node-rank must be in 0..1"),
+    ]:
+        with pytest.raises(ModelError, match=message):
+            rendezvous_from(*args, environ=env)

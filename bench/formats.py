@@ -1,0 +1,141 @@
+"""The whole stack per number format, side by side with the anchors in one run: batch 1,
+greedy, MT-Bench first turns (one per category), ``--new-tokens`` each.
+
+For each format (float32, bfloat16, int8) it starts ``specinfer up --dtype/--quantize``,
+times its start-up (until the router reports SERVING), and generates every prompt through
+the gRPC SDK with speculation on (the default adaptive policy) and off. Anchors on the same
+prompts in the same run: transformers ``generate`` (float32, greedy), and llama.cpp on the
+same GGUF file when ``llama_cpp`` (llama-cpp-python) is importable, else reported missing.
+Prints tokens/s and speedups; writes JSON.
+
+    python bench/formats.py [--formats float32,bfloat16,int8] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from run import _wait  # noqa: E402
+
+from specinfer.chat import chat_prompt_ids  # noqa: E402
+from specinfer.client import Client  # noqa: E402
+from specinfer.data import mtbench_first_turns  # noqa: E402
+from specinfer.models import ALIASES, DEFAULT_LLM, load_model, load_tokenizer, resolve  # noqa: E402
+from specinfer.net import free_port  # noqa: E402
+
+FORMATS = {"float32": ["--dtype", "float32"], "bfloat16": ["--dtype", "bfloat16"],
+           "int8": ["--quantize", "int8"]}
+
+
+def hf_generate(prompts: list[list[int]], new_tokens: int) -> list[float]:
+    model = load_model(DEFAULT_LLM)
+    rates = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                 max_new_tokens=new_tokens)
+        rates.append((out.shape[1] - len(ids)) / (time.perf_counter() - start))
+    return rates
+
+
+def llama_cpp(prompts: list[list[int]], new_tokens: int) -> list[float] | None:
+    """llama.cpp on the LLM's own GGUF file, greedy, same token ids, 2 threads."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    source = resolve(DEFAULT_LLM)
+    llm = Llama(str(source.directory / source.gguf_file), n_ctx=2048,
+                n_threads=os.cpu_count(), verbose=False)
+    rates = []
+    for ids in prompts:
+        llm.reset()
+        start, n = time.perf_counter(), 0
+        for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            n += 1
+            if n >= new_tokens or token == llm.token_eos():
+                break
+        rates.append(n / (time.perf_counter() - start))
+    return rates
+
+
+def stack_rates(fmt: list[str], prompts: list[str], new_tokens: int) -> dict:
+    port = free_port()
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "services", "up", "--port", str(port),
+                             "--http-port", "0", *fmt],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out: dict = {}
+    try:
+        _wait(f"127.0.0.1:{port}", proc)
+        out["startup_s"] = time.perf_counter() - start
+        with Client(f"127.0.0.1:{port}", timeout=900) as client:
+            for name, spec in (("off", False), ("on", True)):
+                rates, accepted = [], []
+                for prompt in prompts:
+                    t = time.perf_counter()
+                    r = client.generate(prompt, max_tokens=new_tokens, speculation=spec)
+                    rates.append(r.completion_tokens / (time.perf_counter() - t))
+                    accepted.append(r.completion_tokens / max(1, r.stats.steps))
+                out[name] = {"tokens_per_s": statistics.median(rates), "per_prompt": rates,
+                             "tokens_per_step": statistics.mean(accepted)}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--formats", default="float32,bfloat16,int8")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", default="bench/results/formats.json")
+    args = ap.parse_args()
+    assert DEFAULT_LLM in ALIASES
+    tok = load_tokenizer(DEFAULT_LLM)
+    ids = [chat_prompt_ids(tok, p) for _, p in mtbench_first_turns(1)]
+    texts = [tok.decode(i) for i in ids]
+    report = {"machine": {"platform": platform.platform(), "cores": os.cpu_count(),
+                          "torch": torch.__version__},
+              "prompts": len(ids), "new_tokens": args.new_tokens, "stack": {}}
+    hf = hf_generate(ids, args.new_tokens)
+    report["hf_generate_tokens_per_s"] = base = statistics.median(hf)
+    print(f"transformers generate (float32): {base:.1f} tok/s", flush=True)
+    cpp = llama_cpp(ids, args.new_tokens)
+    report["llama_cpp_tokens_per_s"] = statistics.median(cpp) if cpp else None
+    print("llama.cpp: " + (f"{statistics.median(cpp):.1f} tok/s "
+                           f"({statistics.median(cpp) / base:.2f}x)" if cpp
+                           else "not installed (pip install llama-cpp-python)"), flush=True)
+    for name in args.formats.split(","):
+        row = stack_rates(FORMATS[name], texts, args.new_tokens)
+        report["stack"][name] = row
+        print(f"stack {name:<9} start-up {row['startup_s']:5.1f} s  off "
+              f"{row['off']['tokens_per_s']:5.1f} tok/s ({row['off']['tokens_per_s'] / base:.2f}x)"
+              f"  on {row['on']['tokens_per_s']:5.1f} tok/s "
+              f"({row['on']['tokens_per_s'] / base:.2f}x, "
+              f"{row['on']['tokens_per_step']:.2f} tokens/step)", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
