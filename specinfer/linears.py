@@ -5,9 +5,10 @@ weight and per-call overhead. Measured on the reference 2-core EPYC (AVX-512 BF1
 call for SmolLM2's shapes: oneDNN with weights packed once at load beats the default BLAS
 from 1 row on the big matrices (the 49152-row vocabulary head: 4.3 vs 10 ms in float32);
 bfloat16 packed halves that again; torch's weight-only int8 kernel
-(``aten._weight_int8pack_mm``) is fastest for 1-2 rows but grows linearly with rows, so
-trees go to packed bfloat16 copies of the same (dequantized) weights. Where two kernels
-serve a format, the row count at which they cross is measured once per matrix at load.
+(``aten._weight_int8pack_mm``) is fastest for 1-2 rows but grows linearly with rows. In
+float32 BLAS and oneDNN both serve, crossing at a row count measured once per matrix at
+load; bfloat16 and int8 use one kernel for every row count, so that a row's output never
+depends on the rows beside it (speculation then reproduces plain decoding bit for bit).
 
 Every kernel takes ``x [..., in]`` and returns ``[..., out]`` in the activation dtype.
 """
@@ -62,10 +63,10 @@ def _packed(weight: torch.Tensor, bias: torch.Tensor | None, compiled: bool = Fa
     return run
 
 
-def _int8(weight: torch.Tensor, bias: torch.Tensor | None, act: torch.dtype
-          ) -> tuple[Kernel, torch.Tensor]:
-    """Weight-only int8, symmetric, one scale per output row; also returns the dequantized
-    weight (what the int8 kernel computes with), for the many-row kernel."""
+def _int8(weight: torch.Tensor, bias: torch.Tensor | None, act: torch.dtype) -> Kernel:
+    """Weight-only int8, symmetric, one scale per output row. The kernel computes each
+    output on its own (its bits do not depend on the other rows), reading a quarter of
+    float32's bytes; it grows with the row count, so trees cost more than in bfloat16."""
     w = weight.float()
     scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
@@ -75,7 +76,7 @@ def _int8(weight: torch.Tensor, bias: torch.Tensor | None, act: torch.dtype
         out = torch.ops.aten._weight_int8pack_mm(x, q, scale_act)
         return out if bias is None else out + bias
 
-    return run, q.float() * scale[:, None]
+    return run
 
 
 class Linear:
@@ -127,12 +128,8 @@ def build(modules: list[torch.nn.Linear], placement: Placement, measure: bool = 
     if placement.cuda:  # cuBLAS picks its own kernels; graphs take away the overhead
         w = weight.to(dev, act).contiguous()
         return Linear(out, lambda x: F.linear(x, w, bias))
-    if placement.quantize == "int8":
-        small, dequant = _int8(weight, bias, act)
-        large = _packed(dequant.to(act), bias, placement.compile) or _blas(dequant.to(act), bias)
-        # One row always takes the int8 kernel: from memory (a model is bigger than the
-        # caches) it reads half of bfloat16's bytes; the load-time timing is cache-hot.
-        return _routed(out, small, large, weight.shape[1], act, measure, min_rows=1)
+    if placement.quantize == "int8":  # one kernel for every row count: batch-invariant
+        return Linear(out, _int8(weight, bias, act))
     w = weight.to(act).contiguous()
     if act == torch.float32:
         packed = _packed(w, bias, placement.compile)
@@ -149,11 +146,10 @@ def _blas(weight: torch.Tensor, bias: torch.Tensor | None) -> Kernel:
 
 
 def _routed(out: int, small: Kernel, large: Kernel, in_features: int, act: torch.dtype,
-            measure: bool, max_rows: int = 8, min_rows: int = 0) -> Linear:
-    """``small`` up to the most rows at which it is still faster than ``large`` (at least
-    ``min_rows``)."""
+            measure: bool, max_rows: int = 8) -> Linear:
+    """``small`` up to the most rows at which it is still faster than ``large``."""
     if not measure:
-        return Linear(out, small, large, min_rows)
+        return Linear(out, large)
 
     def best_of(kernel: Kernel, x: torch.Tensor, reps: int = 3) -> float:
         kernel(x)
@@ -164,7 +160,7 @@ def _routed(out: int, small: Kernel, large: Kernel, in_features: int, act: torch
             best = min(best, time.perf_counter() - start)
         return best
 
-    rows = min_rows
+    rows = 0
     with torch.inference_mode():
         while rows < max_rows:
             x = torch.randn(rows + 1, in_features).to(act)

@@ -71,10 +71,13 @@ def test_float32_greedy_equals_transformers(tiny_llama, hf_model):
         assert res.token_ids == hf_greedy(hf_model, prompt, 30)
 
 
-def test_bfloat16_speculation_equals_its_own_plain_decoding(tiny_llama, hf_model):
+@pytest.mark.parametrize("placement", [resolve("cpu", "bfloat16"),
+                                       resolve("cpu", quantize="int8")],
+                         ids=["bfloat16", "int8"])
+def test_speculation_equals_its_own_plain_decoding(tiny_llama, hf_model, placement):
     """Batch-invariant kernels: a row's bits do not depend on the rows beside it, so trees,
     batches and single-token steps agree exactly (and speculation really accepted)."""
-    engine = engine_in(tiny_llama, resolve("cpu", "bfloat16"))
+    engine = engine_in(tiny_llama, placement)
     plain = [r.token_ids for r in generate_local(engine, prompts(), 40)]
     single = [generate_local(engine, [p], 40)[0].token_ids for p in prompts()]
     spec = generate_local(engine, prompts(), 40, trees=noisy_oracle(hf_model, 1))
@@ -82,10 +85,12 @@ def test_bfloat16_speculation_equals_its_own_plain_decoding(tiny_llama, hf_model
     assert sum(len(r.token_ids) - 1 for r in spec) > 1.5 * sum(r.steps for r in spec)
 
 
-def test_bfloat16_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("placement", [resolve("cpu", "bfloat16"),
+                                       resolve("cpu", quantize="int8")],
+                         ids=["bfloat16", "int8"])
+def test_rows_do_not_depend_on_the_batch(placement):
     """The kernels themselves, at reduction lengths on both sides of INVARIANT_K."""
     gen = torch.Generator().manual_seed(0)
-    placement = resolve("cpu", "bfloat16")
     for k in (64, 1536, 2304):
         module = torch.nn.Linear(k, 96, bias=False)
         module.weight.data = torch.randn(96, k, generator=gen) * 0.05
@@ -102,7 +107,7 @@ def test_int8_linears_stay_within_their_quantization_error():
     module = torch.nn.Linear(256, 512)
     module.weight.data = torch.randn(512, 256, generator=gen) * 0.05
     linear = linears.build([module], resolve("cpu", quantize="int8"))
-    for rows in (1, 3, 17):  # the int8 kernel and the many-row kernel
+    for rows in (1, 3, 17):
         x = torch.randn(rows, 256, generator=gen)
         ref = module(x)
         out = linear(x.to(torch.bfloat16)).float()
