@@ -5,10 +5,12 @@ For each format (float32, bfloat16, int8) it starts ``specinfer up --dtype/--qua
 times its start-up (until the router reports SERVING), and generates every prompt through
 the gRPC SDK with speculation on (the default adaptive policy) and off. Anchors on the same
 prompts in the same run: transformers ``generate`` (float32, greedy), and llama.cpp on the
-same GGUF file when ``llama_cpp`` (llama-cpp-python) is importable, else reported missing.
+same GGUF file when ``--llama-cpp-python`` names a Python with llama-cpp-python (built from
+source: ``pip install llama-cpp-python``, a few minutes), else reported missing.
 Prints tokens/s and speedups; writes JSON.
 
     python bench/formats.py [--formats float32,bfloat16,int8] [--new-tokens 64]
+                            [--llama-cpp-python /path/to/venv/bin/python]
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from run import _wait  # noqa: E402
 from specinfer.chat import chat_prompt_ids  # noqa: E402
 from specinfer.client import Client  # noqa: E402
 from specinfer.data import mtbench_first_turns  # noqa: E402
-from specinfer.models import ALIASES, DEFAULT_LLM, load_model, load_tokenizer, resolve  # noqa: E402
+from specinfer.models import DEFAULT_LLM, load_model, load_tokenizer, resolve  # noqa: E402
 from specinfer.net import free_port  # noqa: E402
 
 FORMATS = {"float32": ["--dtype", "float32"], "bfloat16": ["--dtype", "bfloat16"],
@@ -53,25 +55,34 @@ def hf_generate(prompts: list[list[int]], new_tokens: int) -> list[float]:
     return rates
 
 
-def llama_cpp(prompts: list[list[int]], new_tokens: int) -> list[float] | None:
-    """llama.cpp on the LLM's own GGUF file, greedy, same token ids, 2 threads."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
+def llama_cpp(prompts: list[list[int]], new_tokens: int, python: str) -> list[float] | None:
+    """llama.cpp on the LLM's own GGUF file, greedy, the same token ids, all cores; run by
+    ``python`` (an environment with llama-cpp-python), or None where it is not installed."""
     source = resolve(DEFAULT_LLM)
-    llm = Llama(str(source.directory / source.gguf_file), n_ctx=2048,
-                n_threads=os.cpu_count(), verbose=False)
+    job = {"gguf": str(source.directory / source.gguf_file), "prompts": prompts,
+           "new_tokens": new_tokens}
+    done = subprocess.run([python, __file__, "--llama-cpp-worker", json.dumps(job)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stderr[-500:], file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _llama_cpp_worker(job: dict) -> None:
+    """In the llama.cpp environment: tokens/s per prompt, as one JSON line."""
+    from llama_cpp import Llama
+
+    llm = Llama(job["gguf"], n_ctx=2048, n_threads=os.cpu_count(), verbose=False)
     rates = []
-    for ids in prompts:
-        llm.reset()
+    for ids in job["prompts"]:
         start, n = time.perf_counter(), 0
         for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
             n += 1
-            if n >= new_tokens or token == llm.token_eos():
+            if n >= job["new_tokens"] or token == llm.token_eos():
                 break
         rates.append(n / (time.perf_counter() - start))
-    return rates
+    print(json.dumps(rates))
 
 
 def stack_rates(fmt: list[str], prompts: list[str], new_tokens: int) -> dict:
@@ -102,13 +113,16 @@ def stack_rates(fmt: list[str], prompts: list[str], new_tokens: int) -> dict:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--llama-cpp-worker"]:
+        return _llama_cpp_worker(json.loads(sys.argv[2]))
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--formats", default="float32,bfloat16,int8")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench/results/formats.json")
+    ap.add_argument("--llama-cpp-python", default=sys.executable,
+                    help="a Python with llama-cpp-python installed (the llama.cpp anchor)")
     args = ap.parse_args()
-    assert DEFAULT_LLM in ALIASES
     tok = load_tokenizer(DEFAULT_LLM)
     ids = [chat_prompt_ids(tok, p) for _, p in mtbench_first_turns(1)]
     texts = [tok.decode(i) for i in ids]
@@ -118,7 +132,7 @@ def main() -> None:
     hf = hf_generate(ids, args.new_tokens)
     report["hf_generate_tokens_per_s"] = base = statistics.median(hf)
     print(f"transformers generate (float32): {base:.1f} tok/s", flush=True)
-    cpp = llama_cpp(ids, args.new_tokens)
+    cpp = llama_cpp(ids, args.new_tokens, args.llama_cpp_python)
     report["llama_cpp_tokens_per_s"] = statistics.median(cpp) if cpp else None
     print("llama.cpp: " + (f"{statistics.median(cpp):.1f} tok/s "
                            f"({statistics.median(cpp) / base:.2f}x)" if cpp

@@ -81,13 +81,15 @@ def fused(modules: list[torch.nn.Module], placement: Placement, measure: bool
 
 
 def rms_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A Llama-family RMSNorm module's output in one fused op (bitwise the module's own:
-    normalised in float32, cast back, scaled)."""
+    """A Llama-family RMSNorm module's output by the fused op: in float32 bitwise the
+    module's own (normalised, cast back, scaled); in other formats in one op that
+    accumulates in float32 and rounds once (one op costs less than four at one row)."""
     eps = getattr(module, "variance_epsilon", None)
     if eps is None:
         return module(x)
-    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
-    return module.weight * normed.to(x.dtype)
+    if x.dtype != torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
+    return module.weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -144,11 +146,13 @@ class LlamaRuntime:
         self.layers = layers
         self.embed_tokens, self.rotary_emb, self.norm = embed_tokens, rotary_emb, norm
         self.lm_head = lm_head
-        # Attention (rotary, KV cache, softmax) runs in float32 on the CPU: there bfloat16
-        # attention is 4-6x slower than float32 (no bf16 kernel for it), and it keeps the
-        # scores exact; on a GPU in the placement's dtype (flash kernels).
-        self.attn_dtype = self.dtype if placement.cuda else torch.float32
+        # Attention (rotary, KV cache, scores) on a GPU runs in the placement's dtype (flash
+        # kernels); on the CPU in float32 (bfloat16 attention is 4-6x slower there), and in
+        # float64 for the CPU's bfloat16 and int8 formats, whose kernels are batch-invariant
+        # (see _attention): a float64 cache spares converting every key at every step.
         self.batch_invariant = not placement.cuda and self.dtype != torch.float32
+        self.attn_dtype = self.dtype if placement.cuda else \
+            torch.float64 if self.batch_invariant else torch.float32
         # One more slot takes the K/V writes of padding (CUDA graphs' bucketed shapes).
         self.scratch_slot = slots
         self.cache = KVCache(len(self.layers), slots + 1, slot_len, kv_heads, self.head_dim,
@@ -242,7 +246,8 @@ class LlamaRuntime:
             write_slot = slots[:, None].expand(b, q)
         mask = None
         if visible is not None:
-            mask = torch.where(visible, 0.0, torch.finfo(attn_dtype).min).to(attn_dtype)
+            mask = torch.zeros(visible.shape, dtype=attn_dtype, device=visible.device)
+            mask.masked_fill_(~visible, torch.finfo(attn_dtype).min)
             mask = mask[:, None]
         single = b == 1 and not hidden.is_cuda  # (indexing by a device scalar syncs)
         kv_heads = self.cache.k.shape[3]
@@ -278,14 +283,13 @@ class LlamaRuntime:
         the shape: speculative output then equals plain decoding."""
         if not self.batch_invariant:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        b, hq, nq, d = q.shape
+        b, hq, nq, d = q.shape  # all float64 here
         hkv = k.shape[1]
-        qd = q.double().reshape(b, hkv, (hq // hkv) * nq, d)  # q head h reads kv head h // g
-        scores = torch.matmul(qd, k.double().transpose(-1, -2)) * (d ** -0.5)
+        grouped = q.reshape(b, hkv, (hq // hkv) * nq, d)  # q head h reads kv head h // g
+        scores = torch.matmul(grouped, k.transpose(-1, -2)) * (d ** -0.5)
         if mask is not None:
             scores = (scores.view(b, hkv, hq // hkv, nq, -1) + mask[:, :, None]).flatten(2, 3)
-        out = torch.matmul(scores.softmax(-1), v.double())
-        return out.view(b, hq, nq, d).to(q.dtype)
+        return torch.matmul(scores.softmax(-1), v).view(b, hq, nq, d)
 
     @torch.inference_mode()
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:

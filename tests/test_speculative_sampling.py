@@ -3,8 +3,9 @@ code the services run, minus RPC) on a tiny random Llama: with speculation on an
 second and third generated tokens have the same distribution (also with a frequency penalty,
 whose target at a tree node counts the node's ancestors as generated).
 
-Two-sample chi-square test of homogeneity per token position, N = 1,000 sequences each,
-cells with fewer than 10 pooled counts merged; pass if p > 1e-3 (seeded: deterministic).
+Two-sample chi-square test of homogeneity per token position, N = 1,000 sequences each
+(600 in bfloat16 and int8), cells with fewer than 10 pooled counts merged; pass if
+p > 1e-3 (seeded: deterministic).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from specinfer.placement import resolve
 from specinfer.sampling import SamplingParams
 
 N = 1000
+N_OTHER_FORMATS = 600  # bfloat16 and int8: the same test, fewer samples (time)
 
 
 def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
@@ -62,7 +64,8 @@ def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params, d
     torch.manual_seed(0)
     on, off = [], []
     accepted = 0
-    for i in range(N):
+    n = N if dtype == "float32" else N_OTHER_FORMATS
+    for i in range(n):
         seeded = dataclasses.replace(params, seed=i)
         res = generate_local(engine, [prompt], 3, trees=trees, params=seeded)[0]
         on.append(res.token_ids)
@@ -71,7 +74,7 @@ def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params, d
     for pos in (1, 2):
         p = homogeneity_pvalue([s[pos] for s in on], [s[pos] for s in off])
         assert p > 1e-3, f"token {pos + 1}: p = {p:.2e}"
-    assert accepted < 2 * N  # speculation accepted drafts, so both tokens often came at once
+    assert accepted < 2 * n  # speculation accepted drafts, so both tokens often came at once
 
 
 def test_the_verifiers_head_drafts_keep_the_distribution(tiny_llama, tmp_path):
