@@ -61,28 +61,13 @@ def llama_cpp(prompts: list[list[int]], new_tokens: int, python: str) -> list[fl
     source = resolve(DEFAULT_LLM)
     job = {"gguf": str(source.directory / source.gguf_file), "prompts": prompts,
            "new_tokens": new_tokens}
-    done = subprocess.run([python, __file__, "--llama-cpp-worker", json.dumps(job)],
+    worker = Path(__file__).with_name("llama_cpp_worker.py")
+    done = subprocess.run([python, str(worker), json.dumps(job)],
                           capture_output=True, text=True)
     if done.returncode != 0:
         print(done.stderr[-500:], file=sys.stderr)
         return None
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _llama_cpp_worker(job: dict) -> None:
-    """In the llama.cpp environment: tokens/s per prompt, as one JSON line."""
-    from llama_cpp import Llama
-
-    llm = Llama(job["gguf"], n_ctx=2048, n_threads=os.cpu_count(), verbose=False)
-    rates = []
-    for ids in job["prompts"]:
-        start, n = time.perf_counter(), 0
-        for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            n += 1
-            if n >= job["new_tokens"] or token == llm.token_eos():
-                break
-        rates.append(n / (time.perf_counter() - start))
-    print(json.dumps(rates))
 
 
 def stack_rates(fmt: list[str], prompts: list[str], new_tokens: int) -> dict:
@@ -113,8 +98,6 @@ def stack_rates(fmt: list[str], prompts: list[str], new_tokens: int) -> dict:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--llama-cpp-worker"]:
-        return _llama_cpp_worker(json.loads(sys.argv[2]))
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--formats", default="float32,bfloat16,int8")
