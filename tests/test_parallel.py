@@ -46,7 +46,11 @@ def reference(tiny_llama):
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_parallel_matches_single_process(tiny_llama, reference, tp, pp):
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    before = {k: os.environ.get(k) for k in keys}
     assert run(tiny_llama, tp, pp) == reference
+    # The rendezvous environment is not left behind for services this process starts.
+    assert {k: os.environ.get(k) for k in keys} == before
 
 
 def test_layer_ranges_cover_every_layer_once():

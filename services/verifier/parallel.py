@@ -110,11 +110,14 @@ class Rendezvous:
 def rendezvous_from(node_rank: int | None, master_addr: str | None, master_port: int | None,
                     pp: int, timeout_s: float = 30.0,
                     environ: dict[str, str] | None = None) -> Rendezvous | None:
-    """The multi-node rendezvous the flags or the environment name, or None (one machine).
-    Flags win; then a LeaderWorkerSet's ``LWS_LEADER_ADDRESS``/``LWS_WORKER_INDEX``/
+    """The multi-node rendezvous the flags or the environment name, or None (one machine;
+    always with a single pipeline stage unless flags say otherwise). Flags win; then a
+    LeaderWorkerSet's ``LWS_LEADER_ADDRESS``/``LWS_WORKER_INDEX``/
     ``LWS_GROUP_SIZE``; then ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``, where
     RANK and WORLD_SIZE count nodes (pipeline stages), not processes."""
     env = os.environ if environ is None else environ
+    if pp == 1 and node_rank is None and master_addr is None:
+        return None  # one stage: one node; a launcher's environment is not ours to read
     lws = "LWS_LEADER_ADDRESS" in env
     addr = master_addr or env.get("LWS_LEADER_ADDRESS") or env.get("MASTER_ADDR")
     if node_rank is None:
@@ -144,17 +147,33 @@ class RankWorker:
 
     def __init__(self, spec: dict, rank: int, tp: int, pp: int, meet: Rendezvous,
                  threads: int = 0, cuda: bool = False) -> None:
-        from specinfer.models import load_model
-
         self.rank, self.tp, self.pp = rank, tp, pp
         self.world = tp * pp
         self.stage, self.tp_rank = divmod(rank, tp)
         local_ranks = self.world if meet.node_rank is None else tp
         cores = os.cpu_count() or 1
         torch.set_num_threads(threads or max(1, cores // local_ranks))
-        os.environ.update(MASTER_ADDR=meet.master_addr, MASTER_PORT=str(meet.master_port),
-                          RANK=str(rank), WORLD_SIZE=str(self.world),
-                          LOCAL_RANK=str(rank % local_ranks), LOCAL_SIZE=str(local_ranks))
+        # torch.distributed and DeepSpeed read the rendezvous from the environment; it is
+        # set only while this rank initialises (a process that builds an engine in-process
+        # must not hand it to the services it starts later).
+        rendezvous_env = dict(MASTER_ADDR=meet.master_addr, MASTER_PORT=str(meet.master_port),
+                              RANK=str(rank), WORLD_SIZE=str(self.world),
+                              LOCAL_RANK=str(rank % local_ranks), LOCAL_SIZE=str(local_ranks))
+        saved = {k: os.environ.get(k) for k in rendezvous_env}
+        os.environ.update(rendezvous_env)
+        try:
+            self._init(spec, meet, cuda)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def _init(self, spec: dict, meet: Rendezvous, cuda: bool) -> None:
+        from specinfer.models import load_model
+
+        rank, tp, pp = self.rank, self.tp, self.pp
         if cuda:
             torch.cuda.set_device(self.tp_rank)
         else:
