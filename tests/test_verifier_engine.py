@@ -1,5 +1,6 @@
-"""The verifier engine on a tiny random Llama: exactness of batched tree verification, KV
-compaction, sampling, capacity, sessions and request validation."""
+"""The verifier engine on a tiny random Llama, in float32 and in bfloat16: exactness of
+batched tree verification (against transformers in float32, against plain decoding in
+bfloat16), KV compaction, sampling, capacity, sessions and request validation."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from services.verifier.executor import ForwardArgs
 from services.verifier.local import generate_local
 from services.verifier.parallel import build_engine
 from specinfer.errors import InvalidArgument, OutOfRange, ResourceExhausted
+from specinfer.placement import resolve
 from specinfer.sampling import SamplingParams
-from specinfer.tree import ROOT, TokenTree
+from specinfer.tree import ROOT, TokenTree, TreeBatch
 
 TOL = 1e-4
 
@@ -24,9 +26,47 @@ def hf_model(tiny_llama):
     return AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
 
 
+CONFIG = EngineConfig(max_context=128, slots=4, max_tree_nodes=24)
+
+
+@pytest.fixture(params=["float32", "bfloat16"])
+def engine(tiny_llama, request):
+    """Every test in both CPU formats; float32 is checked against transformers, bfloat16
+    against the same format's plain decoding (``greedy``, ``fresh_logits``)."""
+    return build_engine(tiny_llama, CONFIG, placement=resolve("cpu", request.param))
+
+
 @pytest.fixture()
-def engine(tiny_llama):
-    return build_engine(tiny_llama, EngineConfig(max_context=128, slots=4, max_tree_nodes=24))
+def plain_engine(tiny_llama, engine):
+    """A second engine in the engine's format: the reference outside float32."""
+    return build_engine(tiny_llama, CONFIG, placement=engine.executor.runtime.placement)
+
+
+@pytest.fixture()
+def greedy(engine, hf_model, plain_engine):
+    """Greedy continuation of a prompt: transformers in float32, plain decoding in the
+    engine's format otherwise (bit-identical to speculation there, by batch invariance)."""
+    if engine.executor.dtype == "float32":
+        return lambda prompt, n: hf_greedy(hf_model, prompt, n)
+    return lambda prompt, n: generate_local(plain_engine, [prompt], n)[0].token_ids
+
+
+@pytest.fixture()
+def fresh_logits(engine, hf_model, plain_engine):
+    """The last position's logits after a fresh forward of ``tokens``."""
+    if engine.executor.dtype == "float32":
+        def hf(tokens):
+            with torch.no_grad():
+                return hf_model(torch.tensor([tokens])).logits[0, -1]
+        return hf
+
+    def own(tokens):
+        tree = TokenTree.chain(tokens[1:])
+        batch = TreeBatch.build([tree], [tokens[0]], [0])
+        return plain_engine.executor.forward(ForwardArgs(
+            batch.tokens, batch.position_ids, torch.tensor([0]), torch.tensor([0]),
+            batch.visibility(len(tokens)), last_only=True))[0, -1]
+    return own
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -53,28 +93,30 @@ def noisy_oracle(model, seed: int, depth: int = 4):
     return trees
 
 
-def test_batched_speculative_greedy_equals_transformers_generate(engine, hf_model):
+def test_batched_speculative_greedy_equals_transformers_generate(engine, hf_model, greedy):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (3, 17, 9, 30)]
     results = generate_local(engine, prompts, 40, trees=noisy_oracle(hf_model, 1))
     for prompt, res in zip(prompts, results, strict=True):
-        assert res.token_ids == hf_greedy(hf_model, prompt, 40)
+        assert res.token_ids == greedy(prompt, 40)
     # Speculation really accepted several tokens per step.
     steps = sum(r.steps for r in results)
     assert sum(len(r.token_ids) - 1 for r in results) > 1.5 * steps
 
 
-def test_incremental_decoding_equals_transformers_generate(engine, hf_model):
+def test_incremental_decoding_equals_transformers_generate(engine, greedy):
     prompts = [[5, 9, 2, 77], [3] * 12]
-    results = generate_local(engine, prompts, 25)
+    results = generate_local(engine, prompts, 25)  # a batch of 2 against one at a time
     for prompt, res in zip(prompts, results, strict=True):
-        assert res.token_ids == hf_greedy(hf_model, prompt, 25)
+        assert res.token_ids == greedy(prompt, 25)
         assert res.accepted_per_step == [1] * 24
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_logprobs_are_the_llms_log_softmax_at_each_accepted_token(engine, hf_model,
                                                                   temperature):
+    if engine.executor.dtype != "float32":
+        pytest.skip("compares with transformers' float32 log-softmax")
     """Speculative steps report, for every emitted token (accepted drafts and the bonus),
     its log-probability and the top 3 under the LLM at that position: the rows of the
     accepted path, not of the tree's other nodes."""
@@ -98,10 +140,10 @@ def test_logprobs_are_the_llms_log_softmax_at_each_accepted_token(engine, hf_mod
     assert plain[0].logprobs == []
 
 
-def test_kv_after_a_non_leftmost_path_equals_a_fresh_prefill(engine, hf_model):
+def test_kv_after_a_non_leftmost_path_equals_a_fresh_prefill(engine, greedy, fresh_logits):
     prompt = [7, 3, 99, 45, 12, 8]
     first = engine.prefill([PrefillSpec("s", prompt)])[0].token
-    truth = hf_greedy(hf_model, prompt + [first], 3)
+    truth = greedy(prompt + [first], 3)
     # Root's children: two decoys, then the truth; under it a decoy, then the truth.
     tree = TokenTree()
     for t in (truth[0] ^ 1, truth[0] ^ 2):
@@ -117,8 +159,7 @@ def test_kv_after_a_non_leftmost_path_equals_a_fresh_prefill(engine, hf_model):
         torch.tensor([[seq.root]]), torch.tensor([[seq.cached]]), torch.tensor([seq.slot]),
         torch.tensor([seq.cached]), None,
     ))[0, -1]
-    with torch.no_grad():
-        fresh = hf_model(torch.tensor([seq.tokens])).logits[0, -1]
+    fresh = fresh_logits(seq.tokens)
     assert (logits - fresh).abs().max().item() <= TOL
 
 
@@ -141,7 +182,7 @@ def test_capacity_is_refused_cleanly_and_freed_on_release(engine):
     assert engine.info()["live_sequences"] == 4
 
 
-def test_session_prefix_is_reused_and_output_unchanged(engine, hf_model):
+def test_session_prefix_is_reused_and_output_unchanged(engine, greedy):
     turn1 = [4, 8, 15, 16, 23, 42]
     out1 = engine.prefill([PrefillSpec("t1", turn1, session_id="chat")])[0]
     engine.decode([("t1", out1.token)])
@@ -150,7 +191,7 @@ def test_session_prefix_is_reused_and_output_unchanged(engine, hf_model):
     turn2 = history + [9, 10, 11]
     out2 = engine.prefill([PrefillSpec("t2", turn2, session_id="chat")])[0]
     assert out2.reused_tokens == len(history) - 1  # all but the last token were cached
-    assert out2.token == hf_greedy(hf_model, turn2, 1)[0]
+    assert out2.token == greedy(turn2, 1)[0]
 
 
 @pytest.mark.parametrize("make,field", [
@@ -188,7 +229,7 @@ def test_context_limit_is_out_of_range(engine):
         engine.verify([("s", root, TokenTree.chain([1] * 10))])
 
 
-def test_trees_drafted_by_the_verifier_keep_greedy_output(engine, hf_model):
+def test_trees_drafted_by_the_verifier_keep_greedy_output(engine, greedy):
     """Verify items that ask the verifier to draft (draft_nodes) get model-free trees from
     the sequence's own tokens, within the budget; the output is plain greedy decoding's."""
     prompt = [5, 6, 7, 8, 9] * 5 + [5, 6]
@@ -203,7 +244,7 @@ def test_trees_drafted_by_the_verifier_keep_greedy_output(engine, hf_model):
         shadow = out.next_draft
         drafted.append(out.drafted_nodes)
         tokens += out.tokens
-    assert tokens[:30] == hf_greedy(hf_model, prompt, 30)
+    assert tokens[:30] == greedy(prompt, 30)
     assert sum(drafted) > 0
     assert engine.decode([("s", tokens[-1])])[0].next_draft is None
     assert len(engine.decode([("s", engine.sequences["s"].root)],
