@@ -216,3 +216,19 @@ def test_graph_buckets_and_padding_give_the_eager_tokens(tiny_llama, hf_model):
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     c = generate_local(padded, prompts(2)[:3], 16)
     assert [r.token_ids for r in c] == [r.token_ids for r in a]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_cuda_tensor_parallel_matches_one_gpu(tiny_llama):
+    """TP 2 over NCCL, one process per GPU: the tokens of one GPU in float32."""
+    pytest.importorskip("deepspeed")
+    placement = resolve("cuda", "float32", compile="off")
+    one = engine_in(tiny_llama, placement)
+    two = build_engine(tiny_llama, EngineConfig(max_context=128, slots=4, max_tree_nodes=24),
+                       tp=2, placement=placement)
+    try:
+        a = generate_local(one, prompts(), 16)
+        b = generate_local(two, prompts(), 16)
+        assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    finally:
+        two.executor.close()
