@@ -58,7 +58,6 @@ class _Graph:
         with torch.cuda.graph(self.graph, pool=pool), torch.inference_mode():
             self.out = rt._layers(*args)
 
-
     def replay(self) -> None:
         if self.graph is not None:
             self.graph.replay()

@@ -196,7 +196,6 @@ class RankWorker:
         box = [spec]
         dist.broadcast_object_list(box, src=0, group=self.control)
         spec = box[0]
-        self.spec = spec
         self.micro_batches = max(1, spec["micro_batches"])
         config = EngineConfig(**spec["config"])
         device = f"cuda:{self.tp_rank}" if cuda else "cpu"
