@@ -59,13 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(_command(argv)).parse_args(argv)
     from specinfer.logs import setup_logging
+    from specinfer.tracing import TracingError
 
     role = getattr(args, "role", None)
     setup_logging(f"{args.command}-{role or ''}".strip("-"), args.log_level)
     _, module, _, run = COMMANDS[(args.command, role)]
     try:
         return getattr(importlib.import_module(module), run)(args)
-    except ModelError as exc:
+    except (ModelError, TracingError) as exc:
         print(f"specinfer: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

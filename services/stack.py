@@ -13,6 +13,7 @@ import sys
 import time
 
 from services.router.policy import SPECULATION_CHOICES
+from specinfer import tracing
 from specinfer.models import DEFAULT_LLM
 from specinfer.net import free_port
 from specinfer.placement import add_flags as add_placement_flags
@@ -40,6 +41,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "corpus drafts: auto, none or a saved .npz")
     p.add_argument("--speculation", choices=tuple(SPECULATION_CHOICES), default="adaptive")
     add_placement_flags(p)  # the verifiers' and speculators' (validated here, before starting)
+    tracing.add_flags(p)  # passed to every service (the OTEL_* environment is inherited)
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="the router serves /metrics on --http-port; with this, the "
+                        "verifiers serve theirs on this port and the next ones, then the "
+                        "speculators (0 = only the router's)")
 
 
 def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) -> bool:
@@ -64,8 +70,21 @@ def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) ->
 def run(args: argparse.Namespace) -> int:
     exe = [sys.executable, "-m", "services"]
     from_flags(args)  # a bad --device/--dtype fails here, not in every service
+    tracing.exporter_for(args.otlp_traces_endpoint, os.environ)  # ... and a bad endpoint
     placement = ["--device", args.device, "--dtype", args.dtype, "--quantize", args.quantize,
                  "--compile", args.compile]
+    if args.otlp_traces_endpoint:
+        placement += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    metrics_ports = iter(range(args.metrics_port, args.metrics_port + 1000)
+                         if args.metrics_port else [])
+    metrics_urls = []
+
+    def metrics_flag() -> list[str]:
+        port = next(metrics_ports, 0)
+        if not port:
+            return []
+        metrics_urls.append(f"http://127.0.0.1:{port}/metrics")
+        return ["--metrics-port", str(port)]
     procs: list[subprocess.Popen] = []
     stopping = False
 
@@ -85,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             "serve", "verifier", "--llm", args.llm, "--port", str(port), "--tp", str(args.tp),
             "--pp", str(args.pp), "--slots", str(args.slots), "--max-context",
             str(args.max_context), "--threads", str(threads), "--datastore", args.datastore,
-            "--draft-head", args.draft_head, *placement]))
+            "--draft-head", args.draft_head, *placement, *metrics_flag()]))
     speculators = []
     for _ in range(args.speculators):
         port = free_port()
@@ -96,12 +115,14 @@ def run(args: argparse.Namespace) -> int:
             cmd += ["--ssm", ref]
         if args.expansion:
             cmd += ["--expansion", args.expansion]
-        cmd += ["--datastore", args.datastore, *placement]
+        cmd += ["--datastore", args.datastore, *placement, *metrics_flag()]
         procs.append(subprocess.Popen(cmd))
     router = f"{args.host}:{args.port}"
     cmd = exe + ["serve", "router", "--llm", args.llm, "--host", args.host, "--port",
                  str(args.port), "--http-port", str(args.http_port),
                  "--speculation", args.speculation]
+    if args.otlp_traces_endpoint:
+        cmd += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     for v in verifiers:
         cmd += ["--verifier", v]
     for s in speculators:
@@ -115,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
                 rc = 1
         else:
             print(f"specinfer is serving: gRPC {router}  OpenAI HTTP "
-                  f"http://{args.host}:{args.http_port}/v1  (Ctrl-C stops)", flush=True)
+                  f"http://{args.host}:{args.http_port}/v1  metrics "
+                  f"{' '.join([f'http://{args.host}:{args.http_port}/metrics', *metrics_urls])}"
+                  "  (Ctrl-C stops)", flush=True)
         while not stopping and rc == 0:
             if any(p.poll() is not None for p in procs):
                 print("specinfer up: a service exited; stopping", file=sys.stderr)

@@ -7,7 +7,9 @@
             print(chunk.text, end="")
 
 Retries happen only on ``UNAVAILABLE`` (nothing was processed); other failures raise the
-typed exception of their status code.
+typed exception of their status code. Where OpenTelemetry is installed and a span is
+current, its W3C trace context goes with each call (the router's spans join the caller's
+trace); ``metadata=[("traceparent", ...)]`` sets it by hand.
 """
 
 from __future__ import annotations
@@ -52,6 +54,26 @@ _BY_CODE = {
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }
+
+
+_propagate = None  # opentelemetry.propagate once imported; False where it is not installed
+
+
+def _with_trace_context(metadata) -> list[tuple[str, str]] | None:
+    """``metadata`` plus the current span's trace context, if there is one to carry."""
+    global _propagate
+    if _propagate is None:
+        try:
+            from opentelemetry import propagate
+        except ImportError:
+            propagate = False
+        _propagate = propagate
+    metadata = list(metadata or ())
+    if _propagate and not any(key == "traceparent" for key, _ in metadata):
+        carrier: dict[str, str] = {}
+        _propagate.inject(carrier)
+        metadata += carrier.items()
+    return metadata or None
 
 
 def _typed(exc: grpc.RpcError) -> SpecInferError:
@@ -160,10 +182,11 @@ class Client:
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  metadata=None, **kwargs) -> Completion:
         req = build_request(prompt, **kwargs)
+        md = _with_trace_context(metadata or self.metadata)
         for attempt in range(self.retries + 1):
             try:
                 return _completion(self.stub.Generate(req, timeout=timeout or self.timeout,
-                                                      metadata=metadata or self.metadata))
+                                                      metadata=md))
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
                     raise _typed(exc) from None
@@ -173,9 +196,10 @@ class Client:
     def stream(self, prompt: str | None = None, *, timeout: float | None = None,
                metadata=None, **kwargs) -> Iterator[Chunk]:
         req = build_request(prompt, **kwargs)
+        md = _with_trace_context(metadata or self.metadata)
         try:
             for msg in self.stub.GenerateStream(req, timeout=timeout or self.timeout,
-                                                metadata=metadata or self.metadata):
+                                                metadata=md):
                 yield _chunk(msg)
         except grpc.RpcError as exc:
             raise _typed(exc) from None
@@ -200,10 +224,11 @@ class AsyncClient:
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        metadata=None, **kwargs) -> Completion:
         req = build_request(prompt, **kwargs)
+        md = _with_trace_context(metadata or self.metadata)
         for attempt in range(self.retries + 1):
             try:
                 return _completion(await self.stub.Generate(
-                    req, timeout=timeout or self.timeout, metadata=metadata or self.metadata))
+                    req, timeout=timeout or self.timeout, metadata=md))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
                     raise _typed(exc) from None
@@ -213,9 +238,10 @@ class AsyncClient:
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None,
                      metadata=None, **kwargs) -> AsyncIterator[Chunk]:
         req = build_request(prompt, **kwargs)
+        md = _with_trace_context(metadata or self.metadata)
         try:
             async for msg in self.stub.GenerateStream(req, timeout=timeout or self.timeout,
-                                                      metadata=metadata or self.metadata):
+                                                      metadata=md):
                 yield _chunk(msg)
         except grpc.aio.AioRpcError as exc:
             raise _typed(exc) from None

@@ -13,11 +13,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specinfer import tracing
 from specinfer.errors import ServiceError
 from specinfer.net import GRPC_OPTIONS
 
 log = logging.getLogger(__name__)
-
 
 
 async def abort_on_error(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -34,11 +34,13 @@ async def abort_on_error(context: grpc.aio.ServicerContext, exc: Exception) -> N
 
 
 class Service:
-    """A grpc.aio server with health (NOT_SERVING until ``set_serving``) and reflection."""
+    """A grpc.aio server with health (NOT_SERVING until ``set_serving``) and reflection;
+    each call in a server span of the caller's trace while tracing is on."""
 
     def __init__(self, name: str, host: str, port: int) -> None:
         self.name = name
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.server = grpc.aio.server(options=GRPC_OPTIONS,
+                                      interceptors=tracing.server_interceptors() or None)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = f"{host}:{port}"
@@ -76,6 +78,7 @@ class Service:
         await self.server.stop(grace_s)
         if on_stop is not None:
             await on_stop()
+        tracing.shutdown_tracing()  # export the spans still buffered
         log.info("stopped")
 
 

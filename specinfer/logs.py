@@ -8,6 +8,8 @@ import logging
 import sys
 import time
 
+from opentelemetry import trace
+
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
 
@@ -25,10 +27,19 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        entry.update(_trace_ids())
         entry.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD})
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
+
+
+def _trace_ids() -> dict[str, str]:
+    """The current span's ids (hex, as Jaeger shows them) when a span is active."""
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid:
+        return {}
+    return {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}
 
 
 def setup_logging(service: str, level: str = "INFO") -> None:

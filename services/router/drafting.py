@@ -17,9 +17,11 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.router.metrics import RouterMetrics
 from services.router.policy import SpeculationMode
 from services.router.request import GenRequest, hop_timeout
-from specinfer.net import GRPC_OPTIONS
+from specinfer import tracing
+from specinfer.channels import internal_channel
 from specinfer.v1 import common_pb2, speculator_pb2, speculator_pb2_grpc
 from specinfer.wire import sampling_to_proto
 
@@ -42,13 +44,17 @@ class SpeculatorPool:
     """The router's side of the speculator pool (and of drafting in general: node
     budgets, the overlapped step)."""
 
-    def __init__(self, speculators: list[str], *, expansion: list[int] | None = None,
-                 max_nodes: int = 0, timeout_s: float = 10.0, step_timeout_s: float = 60.0,
+    def __init__(self, speculators: list[str], metrics: RouterMetrics, *,
+                 expansion: list[int] | None = None, max_nodes: int = 0,
+                 timeout_s: float = 10.0, step_timeout_s: float = 60.0,
                  down_for_s: float = 5.0) -> None:
-        self.channels = [grpc.aio.insecure_channel(a, options=GRPC_OPTIONS)
-                         for a in speculators]
+        self.channels = [internal_channel(a) for a in speculators]
         self.clients = [speculator_pb2_grpc.SpeculatorStub(c) for c in self.channels]
         self.down_until = [0.0] * len(speculators)
+        for i, address in enumerate(speculators):
+            metrics.replica("speculator", address,
+                            lambda i=i: self.down_until[i] <= time.monotonic())
+        self.metrics = metrics
         self.expansion = expansion or []  # [] = the speculator's default
         self.max_nodes = max_nodes  # 0 = each replica's max_tree_nodes
         self.timeout_s = timeout_s
@@ -100,16 +106,24 @@ class SpeculatorPool:
                     expansion=list(mode.expansion) or self.expansion,
                     max_nodes=self.node_budget(r, budget, mode)))
                 for r in reqs]
+            most = max(item.tree.max_nodes for item in items)
             try:
-                out = await client.Speculate(speculator_pb2.SpeculateRequest(items=items),
-                                             timeout=min(self.timeout_s, hop_timeout(
-                                                 reqs, self.step_timeout_s)))
+                with tracing.batch_span("Speculate", [r.span for r in reqs], {
+                        "specinfer.batch_size": len(reqs), "specinfer.node_budget": most,
+                        "specinfer.speculation_mode": mode.name}) as span:
+                    out = await client.Speculate(speculator_pb2.SpeculateRequest(items=items),
+                                                 timeout=min(self.timeout_s, hop_timeout(
+                                                     reqs, self.step_timeout_s)))
+                    span.set_attribute("specinfer.tree_nodes",
+                                       sum(len(res.tree.tokens) for res in out.results))
+                self.metrics.drafted(most, time.monotonic() - now)
                 trees = {res.sequence_id: res.tree for res in out.results}
                 break
             except grpc.aio.AioRpcError as exc:
                 log.warning("speculator failed; this step decodes without it",
                             extra={"speculator": i, "error": exc.code().name})
                 self.down_until[i] = now + self.down_for_s
+                self.metrics.failover("speculator")
         for r in reqs:
             r.speculate_s += time.monotonic() - now
         return trees

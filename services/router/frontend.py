@@ -152,7 +152,8 @@ def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequ
     return GenRequest(ids, msg.max_tokens, params,
                       speculation=msg.speculation if msg.HasField("speculation") else True,
                       stop=[s for s in msg.stop if s], stop_ids=set(msg.stop_token_ids),
-                      session_id=msg.session_id)
+                      session_id=msg.session_id,
+                      operation="chat" if kind == "chat" else "text_completion")
 
 
 class Generation:
@@ -335,7 +336,9 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
     for i in range(n):
         p = params if params.seed is None else dataclasses.replace(
             params, seed=(params.seed + i) % 2**64)
-        out.append(_openai_request(body, ids, None if chat else 16, p))
+        req = _openai_request(body, ids, None if chat else 16, p)
+        req.operation = "chat" if chat else "text_completion"
+        out.append(req)
     return out
 
 

@@ -9,6 +9,7 @@ import asyncio
 import grpc
 
 from services.router.policy import SPECULATION_CHOICES
+from specinfer import metrics, tracing
 from specinfer.models import DEFAULT_LLM
 
 
@@ -39,15 +40,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "lookup: 2 model-free draft tokens drafted by the verifier, every step; "
                         "head: the verifier's draft head and model-free drafts (16 nodes), "
                         "every step")
+    tracing.add_flags(p)
+    metrics.add_flags(p, "default: on the OpenAI API's --http-port; this port serves them "
+                         "too, e.g. with --http-port 0")
 
 
 def run(args: argparse.Namespace) -> int:
+    tracing.setup_tracing("router", args.otlp_traces_endpoint)
     asyncio.run(serve(args))
     return 0
 
 
 async def serve(args: argparse.Namespace, grace_s: float = 10.0) -> None:
     from services.router.frontend import Frontend
+    from services.router.metrics import RouterMetrics
     from services.router.openai_http import start_http
     from services.router.scheduler import Scheduler
     from services.router.server import RouterServicer
@@ -62,19 +68,23 @@ async def serve(args: argparse.Namespace, grace_s: float = 10.0) -> None:
     await service.start()
     loop = asyncio.get_running_loop()
     tokenizer = await loop.run_in_executor(None, load_tokenizer, args.llm)
+    model_name = args.model_name or args.llm
+    router_metrics = RouterMetrics(model_name)
+    metrics.serve_metrics(router_metrics.registry, args.host, args.metrics_port)
     scheduler = Scheduler(args.verifier, args.speculator or [],
                           eos_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
                           else [],
                           max_waiting=args.max_waiting, spec_max_batch=args.spec_max_batch,
                           speculation=args.speculation, queue_timeout_s=args.queue_timeout,
-                          detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+                          detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                          metrics=router_metrics)
     info = await _retry(scheduler.start)
-    frontend = Frontend(tokenizer, args.model_name or args.llm, info["vocab_size"],
-                        info["dtype"])
+    frontend = Frontend(tokenizer, model_name, info["vocab_size"], info["dtype"])
     servicer.scheduler, servicer.fe = scheduler, frontend
     http = None
     if args.http_port:
-        http = await start_http(scheduler, frontend, args.host, args.http_port)
+        http = await start_http(scheduler, frontend, args.host, args.http_port,
+                                router_metrics.registry)
     await service.set_serving()
 
     async def stop() -> None:

@@ -1,6 +1,8 @@
 """OpenAI-compatible HTTP API on the router: ``/v1/models``, ``/v1/completions``,
 ``/v1/chat/completions`` (``stream: true`` as server-sent events: content chunks, a final
-usage chunk, then ``[DONE]``), with OpenAI-shaped errors."""
+usage chunk, then ``[DONE]``), with OpenAI-shaped errors; and Prometheus' ``/metrics``.
+While tracing is on, each API call runs in a server span, the child of the caller's W3C
+``traceparent`` header."""
 
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ import uuid
 
 import grpc
 from aiohttp import web
+from opentelemetry.trace import Status, StatusCode
+from prometheus_client import CollectorRegistry
 
 from services.router.frontend import Frontend, Generation, openai_requests
 from services.router.request import GenRequest
 from services.router.scheduler import Scheduler
+from specinfer import metrics, tracing
 from specinfer.errors import InvalidArgument, ServiceError
 
 log = logging.getLogger(__name__)
@@ -247,10 +252,39 @@ def _finite(logprob: float) -> float:
     return logprob if logprob >= -9999.0 else -9999.0
 
 
-async def start_http(scheduler: Scheduler, fe: Frontend, host: str,
-                     port: int) -> web.AppRunner:
+@web.middleware
+async def _server_span(request: web.Request, handler):
+    """The API call's server span (OpenTelemetry's HTTP names), current while it runs so
+    the requests it submits are its children."""
+    if not request.path.startswith("/v1/"):
+        return await handler(request)
+    route = request.match_info.route.resource
+    path = route.canonical if route is not None else request.path
+    with tracing.server_span(f"{request.method} {path}", request.headers, {
+            "http.request.method": request.method, "url.path": request.path,
+            "http.route": path, "server.port": request.url.port or 0}) as span:
+        response = await handler(request)
+        span.set_attribute("http.response.status_code", response.status)
+        if response.status >= 500:
+            span.set_status(Status(StatusCode.ERROR))
+        return response
+
+
+def _metrics_endpoint(registry: CollectorRegistry):
+    async def scrape(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.exposition(registry),
+                            headers={"Content-Type": metrics.CONTENT_TYPE})
+
+    return scrape
+
+
+async def start_http(scheduler: Scheduler, fe: Frontend, host: str, port: int,
+                     registry: CollectorRegistry | None = None) -> web.AppRunner:
     api = OpenAIApi(scheduler, fe)
-    app = web.Application(client_max_size=16 * 1024 * 1024)
+    app = web.Application(client_max_size=16 * 1024 * 1024,
+                          middlewares=[_server_span] if tracing.enabled() else [])
+    if registry is not None:
+        app.router.add_get("/metrics", _metrics_endpoint(registry))
     app.router.add_get("/v1/models", api.models)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat)

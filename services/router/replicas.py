@@ -14,20 +14,24 @@ import logging
 
 import grpc
 
+from services.router.metrics import RouterMetrics
 from services.router.request import GenRequest, Replica
-from specinfer.net import GRPC_OPTIONS
+from specinfer.channels import internal_channel
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
 class ReplicaSet:
-    def __init__(self, addresses: list[str], probe_every_s: float = 5.0) -> None:
+    def __init__(self, addresses: list[str], metrics: RouterMetrics,
+                 probe_every_s: float = 5.0) -> None:
         self.replicas = []
         for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-            self.replicas.append(Replica(address, verifier_pb2_grpc.VerifierStub(channel),
-                                         channel))
+            channel = internal_channel(address)
+            replica = Replica(address, verifier_pb2_grpc.VerifierStub(channel), channel)
+            self.replicas.append(replica)
+            metrics.replica("verifier", address, lambda r=replica: r.healthy)
+        self.metrics = metrics
         self.probe_every_s = probe_every_s
 
     async def start(self) -> verifier_pb2.InfoResponse:
@@ -93,6 +97,7 @@ class ReplicaSet:
         log.warning("verifier replica failed; failing over",
                     extra={"replica": replica.address, "error": str(exc)[:200]})
         replica.healthy = False
+        self.metrics.failover("verifier")
         asyncio.get_running_loop().call_later(self.probe_every_s, self._probe, replica)
 
     def _probe(self, replica: Replica) -> None:

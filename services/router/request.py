@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from specinfer.sampling import SamplingParams, TokenLogprob
 from specinfer.v1 import verifier_pb2_grpc
@@ -39,6 +40,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stop_ids: set[int] = field(default_factory=set)
     session_id: str = ""
+    operation: str = "text_completion"  # or "chat" (OpenTelemetry's gen_ai.operation.name)
     id: str = field(default_factory=lambda: f"r{next(_ids)}-{time.monotonic_ns() % 10**9}")
     # Filled in by the scheduler.
     generated: list[int] = field(default_factory=list)
@@ -57,6 +59,13 @@ class GenRequest:
     created: float = field(default_factory=time.monotonic)
     queued_at: float = field(default_factory=time.monotonic)  # since when it waits
     first_token_at: float = 0.0
+    # For metrics and the trace: when it was first admitted and last emitted, whether its
+    # prompt was counted (a failover's re-prefill is not counted again), and its span.
+    admitted_at: float = 0.0
+    last_token_at: float = 0.0
+    prompt_counted: bool = False
+    span: Span = INVALID_SPAN
+    ended: bool = False
     deadline: float | None = None  # time.monotonic() by which the client gives up
     # Model-free trees the verifier drafted but did not verify, waiting for the tokens
     # that show how they would have fared: (index in generated, tokens, parents).

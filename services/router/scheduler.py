@@ -22,11 +22,14 @@ import time
 from collections.abc import Callable
 
 import grpc
+from opentelemetry.trace import Status, StatusCode
 
 from services.router.drafting import SpeculatorPool, Trees, together
+from services.router.metrics import RouterMetrics
 from services.router.policy import SPECULATION_CHOICES, SpeculationMode, SpeculationPolicy
 from services.router.replicas import ReplicaSet
 from services.router.request import GenRequest, hop_timeout
+from specinfer import tracing
 from specinfer.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceError
 from specinfer.tree import accepted_depth
 from specinfer.v1 import common_pb2, verifier_pb2
@@ -42,9 +45,11 @@ class Scheduler:
                  step_timeout_s: float = 60.0, speculate_timeout_s: float = 10.0,
                  prefill_token_budget: int = 4096,
                  detokenize: Callable[[list[int]], str] | None = None,
-                 speculation: str = "adaptive", queue_timeout_s: float = 60.0) -> None:
-        self.replicas = ReplicaSet(verifiers)
-        self.speculators = SpeculatorPool(speculators, expansion=expansion,
+                 speculation: str = "adaptive", queue_timeout_s: float = 60.0,
+                 metrics: RouterMetrics | None = None) -> None:
+        self.metrics = metrics if metrics is not None else RouterMetrics()
+        self.replicas = ReplicaSet(verifiers, self.metrics)
+        self.speculators = SpeculatorPool(speculators, self.metrics, expansion=expansion,
                                           max_nodes=max_nodes, timeout_s=speculate_timeout_s,
                                           step_timeout_s=step_timeout_s)
         self.eos_ids = set(eos_ids)
@@ -69,6 +74,7 @@ class Scheduler:
         self.running: list[GenRequest] = []
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
+        self.metrics.watch_queues(lambda: len(self.running), lambda: len(self.waiting))
 
     async def start(self) -> dict:
         """Query every verifier's Info (they must be up); start the loop."""
@@ -94,6 +100,8 @@ class Scheduler:
             raise ResourceExhausted(f"{len(self.waiting)} requests already queued; retry later",
                                     retry_after_s=1)
         req.queued_at = time.monotonic()
+        req.span = tracing.request_span(f"{req.operation} {self.metrics.model_name}".strip(),
+                                        _request_attributes(req, self.metrics.model_name))
         self.waiting.append(req)
         self.wake.set()
 
@@ -137,6 +145,9 @@ class Scheduler:
                     retry_after_s=5)))
         for req in [r for r in self.running if r.cancelled]:
             await self._finish(req, "cancelled")
+        for req in self.waiting:
+            if req.cancelled:
+                self._ended(req, "abort")
         self.waiting = [r for r in self.waiting if not r.cancelled]
 
     async def _admit(self) -> None:
@@ -150,6 +161,7 @@ class Scheduler:
                 still.append(req)
                 continue
             self.replicas.attach(req, replica)
+            self.metrics.admitted(req, time.monotonic())
             budget -= len(req.history)
             by_replica.setdefault(replica.address, []).append(req)
         self.waiting = still
@@ -161,9 +173,16 @@ class Scheduler:
                                           sampling=sampling_to_proto(r.params),
                                           session_id=r.session_id,
                                           prompt_length=len(r.prompt_ids)) for r in reqs]
+        started = time.monotonic()
         try:
-            out = await replica.rpc.Prefill(verifier_pb2.PrefillRequest(items=items),
-                                            timeout=hop_timeout(reqs, self.step_timeout_s))
+            with tracing.batch_span("Prefill", [r.span for r in reqs], {
+                    "specinfer.batch_size": len(reqs),
+                    "specinfer.prompt_tokens": sum(len(r.history) for r in reqs),
+                    "specinfer.replica": replica.address}) as span:
+                out = await replica.rpc.Prefill(verifier_pb2.PrefillRequest(items=items),
+                                                timeout=hop_timeout(reqs, self.step_timeout_s))
+                span.set_attribute("specinfer.reused_tokens",
+                                   sum(res.reused_tokens for res in out.results))
         except grpc.aio.AioRpcError as exc:
             for r in reqs:
                 self.replicas.detach(r)
@@ -182,10 +201,12 @@ class Scheduler:
                 for r in reqs:
                     self._fail(r, exc)
             return
+        self.metrics.verified("Prefill", 0, time.monotonic() - started)
         for r, res in zip(reqs, out.results, strict=True):
             r.reused_tokens = res.reused_tokens
             if not r.first_token_at:
                 r.first_token_at = time.monotonic()
+            self.metrics.prefilled(r)
             self.running.append(r)
             await self._emit(r, [res.token], _logprobs(res), step=False)
 
@@ -218,6 +239,7 @@ class Scheduler:
                 trees = await self.speculators.speculate(speculate, budget, mode)
                 await self._verify_all(batch, trees, shadow=shadow)
                 drafted = bool(trees)
+        self.metrics.step(mode.name if drafted else "plain")
         if self.policy and len(batch) <= self.spec_max_batch \
                 and any(r.speculation for r in batch):
             # The verifier's model-free modes are measured by their shadow drafts.
@@ -273,18 +295,17 @@ class Scheduler:
                         if shadow and r.speculation else 0 for r in reqs}
         calls = []
         if with_tree:
-            calls.append(replica.rpc.Verify(verifier_pb2.VerifyRequest(items=[
-                verifier_pb2.VerifyItem(sequence_id=r.id, root_token=r.generated[-1],
-                                        tree=trees.get(r.id),
-                                        draft_nodes=draft_nodes.get(r.id, 0),
-                                        draft_head=draft_head and draft_nodes.get(r.id, 0) > 0,
-                                        shadow_nodes=shadow_nodes[r.id])
-                for r in with_tree]), timeout=hop_timeout(with_tree, self.step_timeout_s)))
+            calls.append(self._call(replica, "Verify", with_tree, verifier_pb2.VerifyRequest(
+                items=[verifier_pb2.VerifyItem(
+                    sequence_id=r.id, root_token=r.generated[-1], tree=trees.get(r.id),
+                    draft_nodes=draft_nodes.get(r.id, 0),
+                    draft_head=draft_head and draft_nodes.get(r.id, 0) > 0,
+                    shadow_nodes=shadow_nodes[r.id]) for r in with_tree])))
         if plain:
-            calls.append(replica.rpc.Decode(verifier_pb2.DecodeRequest(items=[
-                verifier_pb2.DecodeItem(sequence_id=r.id, root_token=r.generated[-1],
-                                        shadow_nodes=shadow_nodes[r.id])
-                for r in plain]), timeout=hop_timeout(plain, self.step_timeout_s)))
+            calls.append(self._call(replica, "Decode", plain, verifier_pb2.DecodeRequest(
+                items=[verifier_pb2.DecodeItem(sequence_id=r.id, root_token=r.generated[-1],
+                                               shadow_nodes=shadow_nodes[r.id])
+                       for r in plain])))
         started = time.monotonic()
         try:
             results = await together(*calls)
@@ -315,33 +336,52 @@ class Scheduler:
         outs = []
         if with_tree:
             for r, res in zip(with_tree, results[0].results, strict=True):
-                outs.append((r, list(res.tokens), list(res.logprobs), res))
+                outs.append((r, list(res.tokens), list(res.logprobs), res, res.drafted_nodes))
                 r.drafted += res.drafted_nodes
                 r.speculative_steps += res.drafted_nodes > 0
         for r in reqs:
             r.verify_s += time.monotonic() - started
         if plain:
-            outs += [(r, [res.token], _logprobs(res), res)
+            outs += [(r, [res.token], _logprobs(res), res, 0)
                      for r, res in zip(plain, results[-1].results, strict=True)]
-        for r, tokens, logprobs, res in outs:
-            await self._emit(r, tokens, logprobs, step=True)
+        for r, tokens, logprobs, res, drafted in outs:
+            await self._emit(r, tokens, logprobs, step=True, drafted=drafted)
             if res.HasField("next_draft") and not r.finish_reason:
                 r.shadows.append((len(r.generated), list(res.next_draft.tokens),
                                   list(res.next_draft.parents)))
 
+    async def _call(self, replica, rpc: str, reqs: list[GenRequest], request):
+        """A Verify or Decode call for ``reqs``, in a span of the first one's trace (linked
+        to the others'), timed for the metrics."""
+        attributes = {"specinfer.batch_size": len(reqs), "specinfer.replica": replica.address}
+        with tracing.batch_span(rpc, [r.span for r in reqs], attributes) as span:
+            started = time.monotonic()
+            out = await getattr(replica.rpc, rpc)(request,
+                                                  timeout=hop_timeout(reqs, self.step_timeout_s))
+            nodes = [getattr(res, "drafted_nodes", 0) for res in out.results]
+            self.metrics.verified(rpc, max(nodes), time.monotonic() - started)
+            if span.is_recording():
+                tokens = [len(res.tokens) if rpc == "Verify" else 1 for res in out.results]
+                span.set_attributes({"specinfer.tree_nodes": sum(nodes),
+                                     "specinfer.accepted_tokens": sum(tokens) - len(tokens)})
+            return out
+
     async def _emit(self, req: GenRequest, tokens: list[int],
-                    logprobs: list[common_pb2.TokenLogprob], step: bool) -> None:
+                    logprobs: list[common_pb2.TokenLogprob], step: bool,
+                    drafted: int = 0) -> None:
         """Append a step's tokens and their logprobs (empty unless asked for) to the
         request and its stream; ``step``: an LLM step (Verify/Decode), not the prefill's
-        first token."""
+        first token, with a tree of ``drafted`` nodes."""
         if req.params.logprobs is not None and len(logprobs) != len(tokens):
             self._fail(req, ServiceError(f"the verifier returned {len(logprobs)} logprobs "
                                          f"for {len(tokens)} tokens"))
             return
         new = req.append(tokens, self.eos_ids, self.detokenize)
         req.logprobs += [logprob_from_proto(lp) for lp in logprobs[: len(new)]]
+        self.metrics.emitted(req, len(new), time.monotonic())
         if step:
             req.accepted_per_step.append(len(new))
+            self.metrics.speculated(drafted, len(new))
             self._measure_shadows(req)
         await req.events.put(("tokens", new))
         if req.finish_reason:
@@ -387,6 +427,7 @@ class Scheduler:
             await self.replicas.release(replica, [req.id],
                                         keep_for_session=bool(req.session_id))
         req.finish_reason = reason
+        self._ended(req, "abort" if reason == "cancelled" else reason)
         await req.events.put(("done", reason))
 
     def _fail(self, req: GenRequest, exc: Exception) -> None:
@@ -394,7 +435,39 @@ class Scheduler:
         replica = self._leave(req)
         if replica is not None:  # its KV slot
             asyncio.ensure_future(self.replicas.release(replica, [req.id]))
+        self._ended(req, "error", exc)
         req.events.put_nowait(("error", exc))
+
+    def _ended(self, req: GenRequest, reason: str, exc: Exception | None = None) -> None:
+        """The one place a request's end is recorded: its metrics, and its span (with what
+        the request did) ended. ``reason``: stop, length, abort or error."""
+        if req.ended:
+            return
+        req.ended = True
+        self.metrics.ended(req, reason, time.monotonic())
+        span = req.span
+        if not span.is_recording():
+            return
+        steps = req.accepted_per_step
+        span.set_attributes({
+            "gen_ai.usage.input_tokens": len(req.prompt_ids),
+            "gen_ai.usage.output_tokens": len(req.generated),
+            "gen_ai.response.finish_reasons": [reason],
+            "specinfer.steps": len(steps),
+            "specinfer.mean_accepted_tokens_per_step": sum(steps) / len(steps) if steps else 0.0,
+            "specinfer.speculative_steps": req.speculative_steps,
+            "specinfer.drafted_tokens": req.drafted,
+            "specinfer.speculate_seconds": req.speculate_s,
+            "specinfer.verify_seconds": req.verify_s,
+            "specinfer.cached_prompt_tokens": req.reused_tokens,
+        })
+        if req.first_token_at:
+            span.set_attribute("specinfer.time_to_first_token_seconds",
+                               req.first_token_at - req.created)
+        if exc is not None:
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
+        span.end()
 
 
 def _client_deadline_passed(exc: grpc.aio.AioRpcError, reqs: list[GenRequest]) -> bool:
@@ -402,6 +475,19 @@ def _client_deadline_passed(exc: grpc.aio.AioRpcError, reqs: list[GenRequest]) -
     replica is dead."""
     return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and any(
         r.deadline_passed() for r in reqs)
+
+
+def _request_attributes(req: GenRequest, model: str) -> dict:
+    """A request span's opening attributes: OpenTelemetry's gen_ai.* names, and ours."""
+    params = req.params
+    attributes = {"gen_ai.operation.name": req.operation, "gen_ai.request.model": model,
+                  "gen_ai.request.max_tokens": req.max_tokens,
+                  "gen_ai.request.temperature": params.temperature,
+                  "gen_ai.request.top_p": params.top_p, "gen_ai.request.top_k": params.top_k,
+                  "specinfer.sequence_id": req.id, "specinfer.speculation": req.speculation}
+    if params.seed is not None and params.seed < 2**63:  # OTLP integers are 64-bit signed
+        attributes["gen_ai.request.seed"] = params.seed
+    return attributes
 
 
 def _logprobs(result) -> list[common_pb2.TokenLogprob]:

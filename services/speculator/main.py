@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from services.flags import DATASTORE_CHOICES, load_datastore, parse_expansion
+from specinfer import metrics, tracing
 from specinfer.models import DEFAULT_LLM
 from specinfer.placement import add_flags as add_placement_flags
 from specinfer.placement import from_flags
@@ -36,6 +37,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50052)
     p.add_argument("--threads", type=int, default=0)
     add_placement_flags(p)
+    tracing.add_flags(p)
+    metrics.add_flags(p, "drafting times")
 
 
 def build(args: argparse.Namespace):
@@ -65,8 +68,12 @@ def build(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from services.speculator.metrics import SpeculatorMetrics
     from services.speculator.server import serve
 
     from_flags(args)  # fail on bad placement flags before serving
-    asyncio.run(serve(lambda: build(args), args.host, args.port))
+    tracing.setup_tracing("speculator", args.otlp_traces_endpoint)
+    speculator_metrics = SpeculatorMetrics(args.llm)
+    metrics.serve_metrics(speculator_metrics.registry, args.host, args.metrics_port)
+    asyncio.run(serve(lambda: build(args), args.host, args.port, metrics=speculator_metrics))
     return 0

@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from services.flags import DATASTORE_CHOICES, load_datastore, parse_expansion
+from specinfer import metrics, tracing
 from specinfer.models import DEFAULT_LLM, ModelError
 from specinfer.placement import add_flags as add_placement_flags
 from specinfer.placement import from_flags
@@ -60,10 +61,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-nodes", type=int, default=8,
                    help="the most nodes of a step's tree the draft head drafts; model-free "
                         "drafts fill the rest of the step's budget")
+    tracing.add_flags(p)
+    metrics.add_flags(p, "KV cache usage, step times")
 
 
 def run(args: argparse.Namespace) -> int:
     from services.verifier.engine import EngineConfig
+    from services.verifier.metrics import VerifierMetrics
     from services.verifier.parallel import build_engine, rendezvous_from, run_stage
     from services.verifier.server import serve
 
@@ -94,7 +98,10 @@ def run(args: argparse.Namespace) -> int:
                             micro_batches=args.micro_batches, threads=args.threads,
                             drafter=drafter, head=head, placement=placement, meet=meet)
 
-    asyncio.run(serve(build, args.host, args.port))
+    tracing.setup_tracing("verifier", args.otlp_traces_endpoint)
+    verifier_metrics = VerifierMetrics(args.llm)
+    metrics.serve_metrics(verifier_metrics.registry, args.host, args.metrics_port)
+    asyncio.run(serve(build, args.host, args.port, metrics=verifier_metrics))
     return 0
 
 

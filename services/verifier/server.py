@@ -12,8 +12,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from opentelemetry import trace
 
 from services.verifier.engine import PrefillSpec, VerifierEngine
+from services.verifier.metrics import VerifierMetrics
+from specinfer import tracing
 from specinfer.errors import ResourceExhausted
 from specinfer.grpc_server import abort_on_error, serve_engine
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
@@ -28,28 +31,40 @@ log = logging.getLogger(__name__)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self) -> None:
+    def __init__(self, metrics: VerifierMetrics | None = None) -> None:
         self.engine: VerifierEngine | None = None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.metrics = metrics if metrics is not None else VerifierMetrics("")
+
+    def _measured(self, fn, *args):
+        """``fn(engine, *args)``, then the cache's state (read here: only this thread
+        touches the engine); returns the result and the engine's seconds."""
+        start = time.perf_counter()
+        try:
+            return fn(self.engine, *args), time.perf_counter() - start
+        finally:
+            engine = self.engine
+            self.metrics.cache(engine.used_tokens, engine.capacity_tokens,
+                               len(engine.sequences), len(engine.sessions))
 
     async def _call(self, context: grpc.aio.ServicerContext, method: str, fn, *args):
-        """``fn(engine, *args)`` on the engine's thread, its errors mapped to statuses."""
+        """``fn(engine, *args)`` on the engine's thread, its errors mapped to statuses;
+        returns its result and the engine's seconds."""
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed in queue")
-        start = time.perf_counter()
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self.pool, fn, self.engine,
-                                                                     *args)
+            result, seconds = await asyncio.get_running_loop().run_in_executor(
+                self.pool, self._measured, fn, *args)
         except Exception as exc:  # mapped to a status; the service keeps serving
             # A full cache is routine under load (routers retry until slots free up).
             log.log(logging.DEBUG if isinstance(exc, ResourceExhausted) else logging.INFO,
                     "request failed", extra={"method": method, "error": str(exc)})
             await abort_on_error(context, exc)
-        log.debug("done", extra={"method": method, "ms": (time.perf_counter() - start) * 1e3})
-        return result
+        log.debug("done", extra={"method": method, "ms": seconds * 1e3})
+        return result, seconds
 
     def _parse_trees(self, request: verifier_pb2.VerifyRequest):
         items = []
@@ -72,7 +87,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                          else None))
             return engine.prefill(specs)
 
-        out = await self._call(context, "Prefill", run)
+        out, seconds = await self._call(context, "Prefill", run)
+        tokens = sum(len(item.token_ids) for item in request.items)
+        reused = sum(r.reused_tokens for r in out)
+        self.metrics.call("Prefill", len(out), 0, seconds)
+        self.metrics.prefill_tokens.inc(tokens - reused)
+        _annotate(batch_size=len(out), prompt_tokens=tokens, reused_tokens=reused,
+                  engine_seconds=seconds)
         return verifier_pb2.PrefillResponse(results=[
             verifier_pb2.PrefillResult(sequence_id=r.sequence_id, token=r.token,
                                        reused_tokens=r.reused_tokens,
@@ -83,8 +104,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         draft_nodes = [item.draft_nodes for item in request.items]
         shadow_nodes = [item.shadow_nodes for item in request.items]
         draft_head = [item.draft_head for item in request.items]
-        out = await self._call(context, "Verify", lambda engine: engine.verify(
+        out, seconds = await self._call(context, "Verify", lambda engine: engine.verify(
             self._parse_trees(request), draft_nodes, shadow_nodes, draft_head))
+        nodes = [r.drafted_nodes for r in out]
+        self.metrics.call("Verify", len(out), max(nodes, default=0), seconds)
+        self.metrics.tree_nodes.inc(sum(nodes))
+        _annotate(batch_size=len(out), tree_nodes=sum(nodes),
+                  accepted_tokens=sum(len(r.tokens) - 1 for r in out), engine_seconds=seconds)
         return verifier_pb2.VerifyResponse(results=[
             verifier_pb2.VerifyResult(sequence_id=r.sequence_id, tokens=r.tokens,
                                       accepted_nodes=r.accepted_nodes,
@@ -97,8 +123,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def Decode(self, request, context):
         items = [(it.sequence_id, it.root_token) for it in request.items]
-        out = await self._call(context, "Decode", VerifierEngine.decode, items,
-                               [it.shadow_nodes for it in request.items])
+        out, seconds = await self._call(context, "Decode", VerifierEngine.decode, items,
+                                        [it.shadow_nodes for it in request.items])
+        self.metrics.call("Decode", len(out), 0, seconds)
+        _annotate(batch_size=len(out), engine_seconds=seconds)
         return verifier_pb2.DecodeResponse(results=[
             verifier_pb2.DecodeResult(sequence_id=r.sequence_id, token=r.tokens[0],
                                       cached_tokens=r.cached_tokens,
@@ -107,13 +135,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         ])
 
     async def Release(self, request, context):
-        n = await self._call(context, "Release", VerifierEngine.release,
-                             list(request.sequence_ids), request.keep_for_session)
+        n, _ = await self._call(context, "Release", VerifierEngine.release,
+                                list(request.sequence_ids), request.keep_for_session)
         return verifier_pb2.ReleaseResponse(released=n)
 
     async def Info(self, request, context):
-        info = await self._call(context, "Info", VerifierEngine.info)
+        info, _ = await self._call(context, "Info", VerifierEngine.info)
         return verifier_pb2.InfoResponse(**info)
+
+
+def _annotate(**attributes) -> None:
+    """Attributes on the call's server span (``specinfer.<name>``), while tracing is on."""
+    if tracing.enabled():
+        trace.get_current_span().set_attributes(
+            {f"specinfer.{k}": v for k, v in attributes.items()})
 
 
 def _first_logprob(logprobs: list) -> object:
@@ -121,17 +156,18 @@ def _first_logprob(logprobs: list) -> object:
 
 
 async def serve(build, host: str, port: int, grace_s: float = 10.0,
-                sweep_every_s: float = 1.0) -> None:
+                sweep_every_s: float = 1.0, metrics: VerifierMetrics | None = None) -> None:
     """Serve until SIGTERM; every ``sweep_every_s`` free the sequences past their lease
     (``VerifierEngine.expire``), on the engine's thread like every call."""
-    servicer = VerifierServicer()
+    servicer = VerifierServicer(metrics)
 
     async def sweep() -> None:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(sweep_every_s)
             if servicer.engine is not None:
-                await loop.run_in_executor(servicer.pool, servicer.engine.expire)
+                await loop.run_in_executor(servicer.pool, servicer._measured,
+                                           VerifierEngine.expire)
 
     sweeper = asyncio.create_task(sweep())
     try:

@@ -1,0 +1,50 @@
+"""The verifier's Prometheus metrics (``--metrics-port``): its KV cache, and what each call
+costs the engine. Request and speculation metrics are the router's."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from specinfer.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, PREFIX, new_registry, tree_size
+
+
+class VerifierMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else new_registry()
+        r, labels = self.registry, ["model_name"]
+        self._m = {"model_name": model_name}
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc",
+                              "KV cache usage: tokens held (live sequences and kept sessions) "
+                              "over capacity; 1 = full.", labels, registry=r).labels(**self._m)
+        self.kv_capacity = Gauge(PREFIX + "kv_cache_capacity_tokens",
+                                 "Tokens the KV cache holds (slots x max context).", labels,
+                                 registry=r).labels(**self._m)
+        self.sequences = Gauge(PREFIX + "verifier_sequences",
+                               "Sequences in the KV cache: live, or kept for their session.",
+                               labels + ["state"], registry=r)
+        self.step_seconds = Histogram(PREFIX + "verifier_step_seconds",
+                                      "Engine time per call (after queueing), by RPC and "
+                                      "nodes per tree (an upper bound; 0: none).",
+                                      labels + ["rpc", "tree_nodes"], buckets=LATENCY_BUCKETS,
+                                      registry=r)
+        self.batch_size = Histogram(PREFIX + "verifier_batch_size",
+                                    "Sequences per call.", labels + ["rpc"],
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.prefill_tokens = Counter(PREFIX + "verifier_prefill_tokens",
+                                      "Tokens prefilled (cached prefixes not counted).",
+                                      labels, registry=r).labels(**self._m)
+        self.tree_nodes = Counter(PREFIX + "verifier_tree_nodes",
+                                  "Draft tree nodes verified.", labels,
+                                  registry=r).labels(**self._m)
+
+    def call(self, rpc: str, batch: int, nodes_per_tree: int, seconds: float) -> None:
+        self.step_seconds.labels(rpc=rpc, tree_nodes=tree_size(nodes_per_tree),
+                                 **self._m).observe(seconds)
+        self.batch_size.labels(rpc=rpc, **self._m).observe(batch)
+
+    def cache(self, used_tokens: int, capacity_tokens: int, live: int, sessions: int) -> None:
+        """The KV cache's state, read on the engine's thread after a call."""
+        self.kv_capacity.set(capacity_tokens)
+        self.kv_usage.set(used_tokens / capacity_tokens if capacity_tokens else 0.0)
+        self.sequences.labels(state="live", **self._m).set(live)
+        self.sequences.labels(state="session", **self._m).set(sessions)

@@ -1,0 +1,78 @@
+"""Prometheus metrics every service shares: the registry (with the process's own CPU,
+memory and GC series), the ``/metrics`` endpoint on ``--metrics-port``, bucket bounds, and
+the tree-size label.
+
+Names follow vLLM's with the prefix ``specinfer:`` (``specinfer:num_requests_waiting``,
+``specinfer:time_to_first_token_seconds``, ...), so dashboards and KEDA triggers written
+for vLLM carry over. Each service defines its own instruments (``services/<role>/
+metrics.py``) on a registry of its own, so a test process can hold several.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+    start_http_server,
+)
+
+log = logging.getLogger(__name__)
+
+PREFIX = "specinfer:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Seconds: from a millisecond (a GPU step) to minutes (a long generation on a CPU).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
+                   0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           45.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+# Token counts: 1, 2, 5, 10, 20, 50, ... up to a million.
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Tree sizes as label values: the smallest of these at or above the node count.
+TREE_SIZES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def tree_size(nodes: int) -> str:
+    """The ``tree_nodes`` label of a call with ``nodes`` draft nodes: an upper bound from
+    ``TREE_SIZES`` ("0" for none), so the label has few values."""
+    for size in TREE_SIZES:
+        if nodes <= size:
+            return str(size)
+    return "+Inf"
+
+
+def new_registry() -> CollectorRegistry:
+    """A registry with the process's own series (CPU, memory, open files, GC)."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The registry in Prometheus' text format."""
+    return generate_latest(registry)
+
+
+def add_flags(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help=f"serve Prometheus metrics at http://HOST:PORT/metrics ({what}); "
+                        "0 = off")
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> None:
+    """``/metrics`` on ``port`` from a daemon thread (a scrape never waits on the model's
+    thread or the event loop)."""
+    if not 0 < port < 65536:
+        return
+    start_http_server(port, addr=host, registry=registry)
+    log.info("metrics", extra={"address": f"{host}:{port}", "path": "/metrics"})
