@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.setup-done
 PROTOS := $(wildcard proto/specinfer/v1/*.proto)
 
-.PHONY: setup proto lint test run bench bench-quick gpu-wheels clean
+.PHONY: setup proto lint test run bench bench-quick bench-tracing gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,10 @@ bench: setup
 
 bench-quick: setup
 	$(PY) bench/run.py --quick
+
+# What tracing costs (tokens/s, tracing off vs on) and /metrics latency under load: ~5 min.
+bench-tracing: setup
+	$(PY) bench/tracing.py
 
 # Pure-Python (and protobuf) wheels bench/gpu_smoke.sh may lack on an offline GPU machine
 # with Python 3.12; bring this folder along with the repository.

@@ -16,10 +16,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from otlp_receiver import OtlpReceiver, poll
 from prometheus_client.parser import text_string_to_metric_families
 from servers import free_port, wait_serving
 
+from bench.otlp_receiver import OtlpReceiver, poll
 from services.stack import stop_processes
 from specinfer.client import Client
 
@@ -165,6 +165,7 @@ def test_one_http_request_is_one_trace_across_the_three_services(stack, receiver
     for v in by_name.get("Verify", []):
         assert {"specinfer.batch_size", "specinfer.tree_nodes",
                 "specinfer.accepted_tokens"} <= set(v.attributes)
+        assert v.attributes["specinfer.speculation_mode"] == "tree"  # --speculation always
     accepted = sum(v.attributes.get("specinfer.accepted_tokens", 0) for v in verifies)
     assert accepted == sum(steps) - len(steps)  # one request alone in its steps
 
@@ -301,14 +302,18 @@ def test_verifier_metrics_show_the_kv_cache_in_use(stack):
 def test_the_dashboard_plots_only_metrics_the_services_export(stack):
     """Every ``specinfer:`` series the Grafana dashboard queries is one the router,
     verifier or speculator serves, and it has the panels an operator looks for."""
-    exported = set()
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"),
+                "gauge": ("",)}
+    exported = set()  # every series name a family declares, observed yet or not
     for url in (f"{stack['http']}/metrics", stack["verifier_metrics"],
                 stack["speculator_metrics"]):
-        exported |= {name for name, _ in _scrape(url)}
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            for family in text_string_to_metric_families(resp.read().decode()):
+                exported |= {family.name + s for s in suffixes.get(family.type, ("",))}
     board = json.loads(DASHBOARD.read_text())
     panels = [p for p in board["panels"] if p.get("type") != "row"]
     queried = {m for p in panels for t in p.get("targets", [])
-               for m in re.findall(r"specinfer:[a-z_:]+", t["expr"])}
+               for m in re.findall(r"specinfer:[a-z0-9_:]+", t["expr"])}
     assert queried and queried <= exported, sorted(queried - exported)
     titles = " | ".join(p["title"].lower() for p in panels)
     for wanted in ("throughput", "time to first token", "inter-token", "queue", "kv cache",

@@ -74,6 +74,7 @@ class Scheduler:
         self.running: list[GenRequest] = []
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
+        self.step_mode = "plain"  # the running step's speculation mode, for its spans
         self.metrics.watch_queues(lambda: len(self.running), lambda: len(self.waiting))
 
     async def start(self) -> dict:
@@ -219,6 +220,7 @@ class Scheduler:
                      and r.replica.max_context - len(r.history) > 2]
         index = self._choose_mode(batch, speculate, greedy)
         mode = self.modes[index]
+        self.step_mode = mode.name
         if mode.plain:
             speculate = []
         # A larger batch amortises the LLM's weights over more sequences, so each sequence
@@ -353,7 +355,8 @@ class Scheduler:
     async def _call(self, replica, rpc: str, reqs: list[GenRequest], request):
         """A Verify or Decode call for ``reqs``, in a span of the first one's trace (linked
         to the others'), timed for the metrics."""
-        attributes = {"specinfer.batch_size": len(reqs), "specinfer.replica": replica.address}
+        attributes = {"specinfer.batch_size": len(reqs), "specinfer.replica": replica.address,
+                      "specinfer.speculation_mode": self.step_mode}
         with tracing.batch_span(rpc, [r.span for r in reqs], attributes) as span:
             started = time.monotonic()
             out = await getattr(replica.rpc, rpc)(request,
