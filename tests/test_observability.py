@@ -125,7 +125,8 @@ def test_one_http_request_is_one_trace_across_the_three_services(stack, receiver
     spans = _complete_trace(receiver, trace_id, SERVICES,
                             {request_span, "POST /v1/chat/completions", "Prefill", "Speculate",
                              "specinfer.v1.Verifier/Prefill",
-                             "specinfer.v1.Speculator/Speculate"})
+                             "specinfer.v1.Speculator/Speculate",
+                             "specinfer.v1.Verifier/Release"})
     ids = {s.span_id for s in spans}
     for s in spans:  # every parent is in the trace, or is the caller's span
         assert s.parent_id in ids | {caller_span}, (s.service, s.name)
@@ -160,6 +161,8 @@ def test_one_http_request_is_one_trace_across_the_three_services(stack, receiver
         for s in by_name[server]:
             assert s.service == f"specinfer-{service}" and s.parent_id in calls
             assert s.attributes["specinfer.batch_size"] >= 1
+    (release,) = by_name["specinfer.v1.Verifier/Release"]  # the slot freed in the trace too
+    assert release.parent_id == req.span_id
     verifies = by_name.get("Verify", []) + by_name.get("Decode", [])
     assert len(verifies) == len(steps)
     for v in by_name.get("Verify", []):

@@ -427,8 +427,9 @@ class Scheduler:
     async def _finish(self, req: GenRequest, reason: str) -> None:
         replica = self._leave(req)
         if replica is not None:
-            await self.replicas.release(replica, [req.id],
-                                        keep_for_session=bool(req.session_id))
+            with tracing.within(req.span):  # the Release call joins the request's trace
+                await self.replicas.release(replica, [req.id],
+                                            keep_for_session=bool(req.session_id))
         req.finish_reason = reason
         self._ended(req, "abort" if reason == "cancelled" else reason)
         await req.events.put(("done", reason))
@@ -437,7 +438,8 @@ class Scheduler:
         req.error = exc
         replica = self._leave(req)
         if replica is not None:  # its KV slot
-            asyncio.ensure_future(self.replicas.release(replica, [req.id]))
+            with tracing.within(req.span):
+                asyncio.ensure_future(self.replicas.release(replica, [req.id]))
         self._ended(req, "error", exc)
         req.events.put_nowait(("error", exc))
 
