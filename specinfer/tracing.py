@@ -246,6 +246,21 @@ def _end_status(span: Span, context: grpc.aio.ServicerContext,
             span.set_status(Status(StatusCode.ERROR, str(context.details() or code.name)))
 
 
+@contextmanager
+def _call_span(name: str, carrier: Mapping[str, str], attributes: dict,
+               context: grpc.aio.ServicerContext) -> Iterator[None]:
+    """One call's SERVER span, its status set from the call's gRPC code at the end."""
+    with server_span(name, carrier, attributes) as span:
+        exc = None
+        try:
+            yield
+        except BaseException as e:
+            exc = e
+            raise
+        finally:
+            _end_status(span, context, exc)
+
+
 class _ServerSpans(grpc.aio.ServerInterceptor):
     """Each unary and server-streaming call runs inside a SERVER span, the child of the
     span in its ``traceparent`` metadata (health checks and reflection untraced)."""
@@ -262,15 +277,8 @@ class _ServerSpans(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def unary(request, context):
-                with server_span(name, carrier, attributes) as span:
-                    exc = None
-                    try:
-                        return await inner(request, context)
-                    except BaseException as e:
-                        exc = e
-                        raise
-                    finally:
-                        _end_status(span, context, exc)
+                with _call_span(name, carrier, attributes, context):
+                    return await inner(request, context)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary, request_deserializer=handler.request_deserializer,
@@ -278,16 +286,9 @@ class _ServerSpans(grpc.aio.ServerInterceptor):
         inner_stream = handler.unary_stream
 
         async def stream(request, context):
-            with server_span(name, carrier, attributes) as span:
-                exc = None
-                try:
-                    async for message in inner_stream(request, context):
-                        yield message
-                except BaseException as e:
-                    exc = e
-                    raise
-                finally:
-                    _end_status(span, context, exc)
+            with _call_span(name, carrier, attributes, context):
+                async for message in inner_stream(request, context):
+                    yield message
 
         return grpc.unary_stream_rpc_method_handler(
             stream, request_deserializer=handler.request_deserializer,
