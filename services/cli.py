@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(_command(argv)).parse_args(argv)
     from specinfer.logs import setup_logging
+    from specinfer.tls import TlsError
     from specinfer.tracing import TracingError
 
     role = getattr(args, "role", None)
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     _, module, _, run = COMMANDS[(args.command, role)]
     try:
         return getattr(importlib.import_module(module), run)(args)
-    except (ModelError, TracingError) as exc:
+    except (ModelError, TracingError, TlsError) as exc:
         print(f"specinfer: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

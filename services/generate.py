@@ -18,6 +18,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-speculation", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--api-key", default=None,
+                   help="the router's API key (default: SPECINFER_API_KEY)")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="connect over TLS, trusting this CA (e.g. the one `up --tls` prints)")
+    p.add_argument("--tls", action="store_true",
+                   help="connect over TLS, trusting the system's CAs")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         prompt = args.prompt
     start = time.perf_counter()
     try:
-        with Client(args.addr, timeout=args.timeout) as client:
+        with Client(args.addr, timeout=args.timeout, api_key=args.api_key, tls=args.tls,
+                    tls_ca=args.tls_ca) as client:
             if args.json:
                 out = client.generate(prompt, **kwargs)
                 elapsed = time.perf_counter() - start

@@ -1,6 +1,8 @@
 """``specinfer up``: the whole stack on this machine — verifier(s), speculator(s) and the
 router as separate ``specinfer serve <role>`` processes on loopback — until SIGINT/SIGTERM,
-then stops every one of them."""
+then stops every one of them. It supervises them: a service that dies once the stack serves
+is started again with the same command line (so the same port: the router's addresses stay
+valid) after an exponential backoff, while the others keep serving."""
 
 from __future__ import annotations
 
@@ -11,6 +13,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.router.policy import SPECULATION_CHOICES
 from specinfer import tracing
@@ -40,6 +48,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--datastore", default="auto", help="the speculators' and verifiers' "
                    "corpus drafts: auto, none or a saved .npz")
     p.add_argument("--speculation", choices=tuple(SPECULATION_CHOICES), default="adaptive")
+    p.add_argument("--speculate-timeout", type=float, default=None,
+                   help="the router's budget for one Speculate call (see serve router)")
     add_placement_flags(p)  # the verifiers' and speculators' (validated here, before starting)
     tracing.add_flags(p)  # passed to every service (the OTEL_* environment is inherited)
     p.add_argument("--metrics-port", type=int, default=0,
@@ -48,23 +58,118 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "speculators (0 = only the router's)")
 
 
-def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float,
+                 stop: Callable[[], bool] | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> bool:
+    """Until ``address`` reports SERVING (True); False as soon as one of ``procs`` exits,
+    ``stop()`` turns true, or ``timeout`` seconds pass."""
+    channel = grpc.secure_channel(address, credentials) if credentials \
+        else grpc.insecure_channel(address)
+    stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            return False
+    try:
+        while time.monotonic() < deadline and not (stop and stop()):
+            if any(p.poll() is not None for p in procs):
+                return False
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+        return False
+    finally:
+        channel.close()
+
+
+@dataclass
+class Supervised:
+    """One service of the stack: its command line (the same on every start, port included)
+    and its current process."""
+
+    role: str  # verifier, speculator or router
+    address: str  # where it listens (gRPC, with the health service)
+    cmd: list[str]
+    proc: subprocess.Popen | None = None
+    serving_since: float | None = None  # monotonic; None until SERVING after each start
+    exited_at: float = 0.0
+    restart_at: float | None = None  # set while it waits out its backoff
+    delay_s: float = 0.0  # the last backoff (0: none yet)
+    restarts: int = 0
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd)
+        self.serving_since, self.restart_at = None, None
+
+
+class Supervisor:
+    """Restarts services that exit, with exponential backoff: ``first_delay_s`` doubling up
+    to ``max_delay_s``, back to ``first_delay_s`` for a service that had served
+    ``stable_s`` before it died (a crash now and then is not a crash loop)."""
+
+    def __init__(self, services: list[Supervised], *, first_delay_s: float = 1.0,
+                 max_delay_s: float = 30.0, stable_s: float = 60.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.services = services
+        self.first_delay_s, self.max_delay_s, self.stable_s = (first_delay_s, max_delay_s,
+                                                               stable_s)
+        self.credentials = credentials
+
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        return [s.proc for s in self.services if s.proc is not None]
+
+    def start(self) -> None:
+        for s in self.services:
+            s.start()
+
+    def check(self, now: float | None = None) -> None:
+        """One pass: schedule a restart for each service that exited, start those whose
+        backoff is over, and note those serving again."""
+        now = time.monotonic() if now is None else now
+        for s in self.services:
+            if s.restart_at is not None:
+                if now >= s.restart_at:
+                    s.start()
+                    s.restarts += 1
+                    log.info("service restarted", extra={
+                        "role": s.role, "address": s.address, "pid": s.proc.pid,
+                        "restarts": s.restarts})
+                continue
+            code = s.proc.poll()
+            if code is None:
+                if s.serving_since is None and self._serving(s):
+                    s.serving_since = now
+                    if s.restarts:
+                        log.info("service serving again", extra={
+                            "role": s.role, "address": s.address,
+                            "down_s": round(now - s.exited_at, 1)})
+                continue
+            served = now - s.serving_since if s.serving_since is not None else 0.0
+            s.delay_s = self.first_delay_s if not s.delay_s or served >= self.stable_s \
+                else min(self.max_delay_s, 2 * s.delay_s)
+            s.exited_at, s.restart_at = now, now + s.delay_s
+            log.warning("service exited; restarting it", extra={
+                "role": s.role, "address": s.address, "exit_code": code,
+                "signal": _signal_name(code),
+                "served_s": round(served, 1), "restart_in_s": s.delay_s})
+
+    def _serving(self, s: Supervised) -> bool:
+        # A fresh channel each time: a kept one would wait out its reconnect backoff.
+        channel = grpc.secure_channel(s.address, self.credentials) if self.credentials \
+            else grpc.insecure_channel(s.address)
         try:
-            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                    health_pb2.HealthCheckResponse.SERVING:
-                return True
+            return health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=0.5).status == \
+                health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
-            pass
-        time.sleep(0.3)
-    return False
+            return False
+        finally:
+            channel.close()
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        stop_processes(self.procs, grace_s)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
             return []
         metrics_urls.append(f"http://127.0.0.1:{port}/metrics")
         return ["--metrics-port", str(port)]
-    procs: list[subprocess.Popen] = []
+    services: list[Supervised] = []
     stopping = False
 
     def stop(*_):
@@ -100,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     for _ in range(args.verifiers):
         port = free_port()
         verifiers.append(f"127.0.0.1:{port}")
-        procs.append(subprocess.Popen(exe + [
+        services.append(Supervised("verifier", verifiers[-1], exe + [
             "serve", "verifier", "--llm", args.llm, "--port", str(port), "--tp", str(args.tp),
             "--pp", str(args.pp), "--slots", str(args.slots), "--max-context",
             str(args.max_context), "--threads", str(threads), "--datastore", args.datastore,
@@ -116,21 +221,27 @@ def run(args: argparse.Namespace) -> int:
         if args.expansion:
             cmd += ["--expansion", args.expansion]
         cmd += ["--datastore", args.datastore, *placement, *metrics_flag()]
-        procs.append(subprocess.Popen(cmd))
+        services.append(Supervised("speculator", speculators[-1], cmd))
     router = f"{args.host}:{args.port}"
     cmd = exe + ["serve", "router", "--llm", args.llm, "--host", args.host, "--port",
                  str(args.port), "--http-port", str(args.http_port),
                  "--speculation", args.speculation]
+    if args.speculate_timeout is not None:
+        cmd += ["--speculate-timeout", str(args.speculate_timeout)]
     if args.otlp_traces_endpoint:
         cmd += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     for v in verifiers:
         cmd += ["--verifier", v]
     for s in speculators:
         cmd += ["--speculator", s]
-    procs.append(subprocess.Popen(cmd))
+    services.append(Supervised("router", router, cmd))
+    supervisor = Supervisor(services)
+    supervisor.start()
     rc = 0
     try:
-        if not wait_serving(router, procs, timeout=900):
+        # A service that exits before the stack first serves is a setup error (a bad
+        # model, a port in use): stop, rather than restart it forever.
+        if not wait_serving(router, supervisor.procs, timeout=900, stop=lambda: stopping):
             if not stopping:
                 print("specinfer up: a service failed to start", file=sys.stderr)
                 rc = 1
@@ -140,14 +251,41 @@ def run(args: argparse.Namespace) -> int:
                   f"{' '.join([f'http://{args.host}:{args.http_port}/metrics', *metrics_urls])}"
                   "  (Ctrl-C stops)", flush=True)
         while not stopping and rc == 0:
-            if any(p.poll() is not None for p in procs):
-                print("specinfer up: a service exited; stopping", file=sys.stderr)
-                rc = 1
-                break
+            supervisor.check()
             time.sleep(0.5)
     finally:
-        stop_processes(procs)
+        supervisor.stop()
     return rc
+
+
+def service_processes(up_pid: int) -> list[tuple[str, int, str]]:
+    """The ``serve <role>`` processes a running ``specinfer up`` (``up_pid``) runs now, as
+    (role, pid, gRPC address), read from /proc (Linux): what a soak or a fault test kills
+    and watches."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # after the (command name)
+        if ppid != up_pid or "serve" not in argv or argv.index("serve") + 1 >= len(argv):
+            continue
+        flags = dict(zip(argv, argv[1:], strict=False))
+        found.append((argv[argv.index("serve") + 1], int(entry.name),
+                      f"{flags.get('--host', '127.0.0.1')}:{flags.get('--port', '')}"))
+    return sorted(found)
+
+
+def _signal_name(code: int) -> str | None:
+    """The signal that ended a process (a negative return code), if one did."""
+    try:
+        return signal.Signals(-code).name if code < 0 else None
+    except ValueError:
+        return None
 
 
 def stop_processes(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
@@ -160,3 +298,4 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None
             p.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             p.kill()
+            p.wait()

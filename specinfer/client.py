@@ -7,14 +7,18 @@
             print(chunk.text, end="")
 
 Retries happen only on ``UNAVAILABLE`` (nothing was processed); other failures raise the
-typed exception of their status code. Where OpenTelemetry is installed and a span is
-current, its W3C trace context goes with each call (the router's spans join the caller's
-trace); ``metadata=[("traceparent", ...)]`` sets it by hand.
+typed exception of their status code. ``api_key`` (default: ``SPECINFER_API_KEY``) is sent
+as ``authorization: Bearer KEY``; ``tls_ca`` (a PEM path) or ``tls=True`` (the system's
+roots) connect over TLS, ``tls_cert``/``tls_key`` present a client certificate. Where
+OpenTelemetry is installed and a span is current, its W3C trace context goes with each
+call (the router's spans join the caller's trace); ``metadata=[("traceparent", ...)]``
+sets it by hand.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -47,13 +51,44 @@ class DeadlineExceededError(SpecInferError):
     pass
 
 
+class AuthenticationError(SpecInferError):
+    pass
+
+
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
     grpc.StatusCode.OUT_OF_RANGE: InvalidRequestError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
 }
+
+
+def _credentials(tls: bool, tls_ca: str | None, tls_cert: str | None,
+                 tls_key: str | None) -> grpc.ChannelCredentials | None:
+    if not (tls or tls_ca or tls_cert):
+        return None
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("tls_cert and tls_key go together")
+
+    def read(path: str | None) -> bytes | None:
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+
+
+def _auth_metadata(api_key: str | None, metadata) -> list[tuple[str, str]] | None:
+    """``metadata`` with the API key (``api_key``, else ``SPECINFER_API_KEY``'s first)."""
+    key = api_key if api_key is not None else \
+        os.environ.get("SPECINFER_API_KEY", "").split(",")[0].strip()
+    metadata = list(metadata or ())
+    if key and not any(k == "authorization" for k, _ in metadata):
+        metadata.append(("authorization", f"Bearer {key}"))
+    return metadata or None
 
 
 _propagate = None  # opentelemetry.propagate once imported; False where it is not installed
@@ -174,10 +209,15 @@ def _completion(resp: router_pb2.GenerateResponse) -> Completion:
 
 class Client:
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = 300.0,
-                 retries: int = 3, metadata: list[tuple[str, str]] | None = None) -> None:
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+                 retries: int = 3, metadata: list[tuple[str, str]] | None = None, *,
+                 api_key: str | None = None, tls: bool = False, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+        creds = _credentials(tls, tls_ca, tls_cert, tls_key)
+        self.channel = grpc.secure_channel(address, creds, options=GRPC_OPTIONS) if creds \
+            else grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
-        self.timeout, self.retries, self.metadata = timeout, retries, metadata
+        self.timeout, self.retries = timeout, retries
+        self.metadata = _auth_metadata(api_key, metadata)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  metadata=None, **kwargs) -> Completion:
@@ -216,10 +256,15 @@ class Client:
 
 class AsyncClient:
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = 300.0,
-                 retries: int = 3, metadata: list[tuple[str, str]] | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+                 retries: int = 3, metadata: list[tuple[str, str]] | None = None, *,
+                 api_key: str | None = None, tls: bool = False, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+        creds = _credentials(tls, tls_ca, tls_cert, tls_key)
+        self.channel = grpc.aio.secure_channel(address, creds, options=GRPC_OPTIONS) \
+            if creds else grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
-        self.timeout, self.retries, self.metadata = timeout, retries, metadata
+        self.timeout, self.retries = timeout, retries
+        self.metadata = _auth_metadata(api_key, metadata)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        metadata=None, **kwargs) -> Completion:

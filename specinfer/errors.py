@@ -49,6 +49,13 @@ class OutOfRange(ServiceError):
     http_status = 400
 
 
+class Unauthenticated(ServiceError):
+    """No API key, or not one the service knows (HTTP 401, gRPC UNAUTHENTICATED)."""
+
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    http_status = 401
+
+
 class Unavailable(ServiceError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
     http_status = 503

@@ -4,6 +4,7 @@ error mapping, and graceful shutdown on SIGTERM/SIGINT (NOT_SERVING, drain, exit
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import signal
@@ -33,18 +34,76 @@ async def abort_on_error(context: grpc.aio.ServicerContext, exc: Exception) -> N
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
 
+class _Malformed:
+    """A request payload that is not a valid message of the method's type."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class MalformedRequests(grpc.aio.ServerInterceptor):
+    """A unary request that does not parse (corrupt wire format, bad UTF-8 in a string) is
+    answered INVALID_ARGUMENT naming the request; gRPC itself answers UNKNOWN, the status of
+    a server that failed."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except Exception as exc:  # DecodeError and kin: the caller's fault
+                return _Malformed(exc)
+
+        async def refuse(request, context) -> None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid message ({request.error})")
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                if isinstance(request, _Malformed):
+                    await refuse(request, context)
+                return await inner(request, context)
+
+            return handler._replace(request_deserializer=deserialize, unary_unary=unary)
+        inner_stream = handler.unary_stream
+        if inspect.isasyncgenfunction(inner_stream):
+            async def stream(request, context):
+                if isinstance(request, _Malformed):
+                    await refuse(request, context)
+                async for message in inner_stream(request, context):
+                    yield message
+        else:  # a coroutine that writes its messages (health's Watch)
+            async def stream(request, context):
+                if isinstance(request, _Malformed):
+                    await refuse(request, context)
+                return await inner_stream(request, context)
+
+        return handler._replace(request_deserializer=deserialize, unary_stream=stream)
+
+
 class Service:
     """A grpc.aio server with health (NOT_SERVING until ``set_serving``) and reflection;
     each call in a server span of the caller's trace while tracing is on."""
 
-    def __init__(self, name: str, host: str, port: int) -> None:
+    def __init__(self, name: str, host: str, port: int,
+                 credentials: grpc.ServerCredentials | None = None,
+                 options: list[tuple[str, int]] | None = None) -> None:
+        """``credentials``: serve TLS; ``options``: server options past the defaults."""
         self.name = name
-        self.server = grpc.aio.server(options=GRPC_OPTIONS,
-                                      interceptors=tracing.server_interceptors() or None)
+        merged = list((dict(GRPC_OPTIONS) | dict(options or [])).items())  # ours win
+        self.server = grpc.aio.server(options=merged, interceptors=[
+            *tracing.server_interceptors(), MalformedRequests()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = f"{host}:{port}"
-        self.port = self.server.add_insecure_port(self.address)
+        self.port = self.server.add_secure_port(self.address, credentials) if credentials \
+            else self.server.add_insecure_port(self.address)
         self._services = [health.SERVICE_NAME, reflection.SERVICE_NAME]
 
     def add(self, full_name: str) -> None:
@@ -83,13 +142,14 @@ class Service:
 
 
 async def serve_engine(name: str, servicer, register, full_name: str, build, host: str,
-                       port: int, grace_s: float = 10.0, close=None, healthy=None) -> None:
+                       port: int, grace_s: float = 10.0, close=None, healthy=None,
+                       credentials: grpc.ServerCredentials | None = None) -> None:
     """Run a service whose ``servicer`` holds an ``engine`` built by ``build()`` on its
     single worker thread (``servicer.pool``): listen at once (NOT_SERVING), build, report
     SERVING, run until SIGTERM/SIGINT, then ``close(engine)`` on the worker thread. With
     ``healthy(engine)`` (read every second off the worker thread), the first False turns
     health to NOT_SERVING for good."""
-    service = Service(name, host, port)
+    service = Service(name, host, port, credentials)
     register(servicer, service.server)
     service.add(full_name)
     await service.start()

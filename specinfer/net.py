@@ -10,6 +10,9 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A channel retries a dead address with growing waits (up to 120 s by default), so a
+    # service restarted after a long load would be seen only that much later: cap them.
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 

@@ -22,6 +22,7 @@ from services.router.policy import SpeculationMode
 from services.router.request import GenRequest, hop_timeout
 from specinfer import tracing
 from specinfer.channels import internal_channel
+from specinfer.tls import TlsConfig
 from specinfer.v1 import common_pb2, speculator_pb2, speculator_pb2_grpc
 from specinfer.wire import sampling_to_proto
 
@@ -47,8 +48,8 @@ class SpeculatorPool:
     def __init__(self, speculators: list[str], metrics: RouterMetrics, *,
                  expansion: list[int] | None = None, max_nodes: int = 0,
                  timeout_s: float = 10.0, step_timeout_s: float = 60.0,
-                 down_for_s: float = 5.0) -> None:
-        self.channels = [internal_channel(a) for a in speculators]
+                 down_for_s: float = 5.0, tls: TlsConfig | None = None) -> None:
+        self.channels = [internal_channel(a, tls) for a in speculators]
         self.clients = [speculator_pb2_grpc.SpeculatorStub(c) for c in self.channels]
         self.down_until = [0.0] * len(speculators)
         for i, address in enumerate(speculators):

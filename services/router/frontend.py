@@ -12,6 +12,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from services.router.limits import Limits
 from services.router.request import GenRequest
 from specinfer.chat import chat_ids
 from specinfer.errors import InvalidArgument, check_token_ids
@@ -43,6 +44,7 @@ class Frontend:
     model_name: str
     vocab_size: int
     dtype: str = "float32"
+    limits: Limits = field(default_factory=Limits)
     _token_bytes: dict[int, bytes] = field(default_factory=dict, repr=False)
 
     def encode_prompt(self, text: str) -> list[int]:
@@ -143,10 +145,14 @@ def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequ
         raise InvalidArgument("input", "give prompt, prompt_token_ids or chat")
     if not ids:
         raise InvalidArgument("prompt", "tokenizes to nothing")
+    fe.limits.check_prompt(kind, len(ids))
     fe.check_model(msg.model or None)  # proto3: "" is unset
     if not 0 < msg.max_tokens <= MAX_TOKENS_LIMIT:
         raise InvalidArgument("max_tokens", f"must be in 1..{MAX_TOKENS_LIMIT}")
+    fe.limits.check_max_tokens("max_tokens", msg.max_tokens)
+    fe.limits.check_stop("stop", list(msg.stop))
     params = sampling_from_proto(msg.sampling, "sampling")
+    fe.limits.check_logprobs("sampling.logprobs", params.logprobs)
     fe.check_ids("sampling.logit_bias", [t for t, _ in params.logit_bias])
     fe.check_ids("stop_token_ids", list(msg.stop_token_ids))
     return GenRequest(ids, msg.max_tokens, params,
@@ -211,15 +217,15 @@ def _number(body: dict, name: str, default, kind=float):
         raise InvalidArgument(name, "must be a finite number") from None
     if kind is int and number != value:
         raise InvalidArgument(name, "must be an integer")
-    if not math.isfinite(number):
+    if kind is float and not math.isfinite(number):  # (an int past a float's range is fine)
         raise InvalidArgument(name, "must be a finite number")
     return number
 
 
-def _choices(body: dict) -> int:
+def _choices(body: dict, limits: Limits) -> int:
     n = _number(body, "n", 1, int)
-    if not 1 <= n <= MAX_CHOICES:
-        raise InvalidArgument("n", f"must be an integer in 1..{MAX_CHOICES}")
+    if not 1 <= n <= limits.max_n:
+        raise InvalidArgument("n", f"must be an integer in 1..{limits.max_n} (--max-n)")
     return n
 
 
@@ -246,8 +252,8 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 def _params(body: dict, chat: bool) -> SamplingParams:
     temperature = _number(body, "temperature", 1.0)
     top_p = _number(body, "top_p", 1.0)
-    seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+    seed = _number(body, "seed", None, int)  # 7.0 is the integer 7, as in JSON Schema
+    if seed is not None and seed < 0:
         raise InvalidArgument("seed", "must be a non-negative integer")
     try:
         return sampling_on_the_wire(SamplingParams(
@@ -277,7 +283,11 @@ def _logit_bias(body: dict) -> dict[int, float]:
             raise InvalidArgument("logit_bias", f"key {key!r} is not a token id") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidArgument("logit_bias", f"the bias of {key!r} must be a number")
-        out[token] = float(value)
+        try:
+            out[token] = float(value)
+        except OverflowError:  # an integer past a float's range
+            raise InvalidArgument("logit_bias", f"the bias of {key!r} must be a finite "
+                                  "number") from None
     return out
 
 
@@ -317,9 +327,9 @@ def _stop(body: dict) -> list[str]:
         return []
     if isinstance(stop, str):
         return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return stop
-    raise InvalidArgument("stop", "must be a string or a list of up to 16 strings")
+    raise InvalidArgument("stop", "must be a string or a list of strings")
 
 
 def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
@@ -328,15 +338,19 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
     each is reproducible and they differ."""
     fe.check_model(body.get("model"))
     _refuse_unsupported(body)
+    _flag(body, "stream")  # read by the HTTP layer: a bool or null, not any truthy value
     ids = _chat_ids(fe, body) if chat else _prompt_ids(fe, body)
-    n = _choices(body)
+    fe.limits.check_prompt("messages" if chat else "prompt", len(ids))
+    n = _choices(body, fe.limits)
     params = _params(body, chat)
+    fe.limits.check_logprobs("top_logprobs" if chat else "logprobs", params.logprobs)
+    fe.limits.check_stop("stop", _stop(body))
     fe.check_ids("logit_bias", [t for t, _ in params.logit_bias])
     out = []
     for i in range(n):
         p = params if params.seed is None else dataclasses.replace(
             params, seed=(params.seed + i) % 2**64)
-        req = _openai_request(body, ids, None if chat else 16, p)
+        req = _openai_request(body, ids, None if chat else 16, p, fe.limits)
         req.operation = "chat" if chat else "text_completion"
         out.append(req)
     return out
@@ -348,10 +362,17 @@ def _prompt_ids(fe: Frontend, body: dict) -> list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return fe.encode_prompt(prompt) if prompt else []
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        fe.check_ids("prompt", prompt)
-        return prompt
+    # JSON integers: 7 and 7.0 alike (as JSON Schema has it), never true/false.
+    if isinstance(prompt, list) and all(_integral(t) for t in prompt):
+        ids = [int(t) for t in prompt]
+        fe.check_ids("prompt", ids)
+        return ids
     raise InvalidArgument("prompt", "must be a string or a list of token ids")
+
+
+def _integral(value: object) -> bool:
+    return not isinstance(value, bool) and (
+        isinstance(value, int) or (isinstance(value, float) and value.is_integer()))
 
 
 def _chat_ids(fe: Frontend, body: dict) -> list[int]:
@@ -364,15 +385,35 @@ def _chat_ids(fe: Frontend, body: dict) -> list[int]:
 
 
 def _openai_request(body: dict, ids: list[int], default_max: int | None,
-                    params: SamplingParams) -> GenRequest:
+                    params: SamplingParams, limits: Limits) -> GenRequest:
     if not ids:
         raise InvalidArgument("prompt", "must not be empty")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
-    if max_tokens is None:
-        max_tokens = MAX_TOKENS_LIMIT
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) \
-            or not 0 < max_tokens <= MAX_TOKENS_LIMIT:
+    given = body.get("max_completion_tokens")  # the newer name wins; null is "not given"
+    if given is None:
+        given = body.get("max_tokens")
+    max_tokens = given if given is not None else default_max
+    if max_tokens is None:  # as much as fits: the context, or --max-tokens
+        max_tokens = limits.max_tokens or MAX_TOKENS_LIMIT
+    if not _integral(max_tokens) or not 0 < max_tokens <= MAX_TOKENS_LIMIT:
         raise InvalidArgument("max_tokens", f"must be an integer in 1..{MAX_TOKENS_LIMIT}")
-    spec = body.get("speculation", True)
-    return GenRequest(ids, max_tokens, params, speculation=bool(spec),
-                      stop=_stop(body), session_id=str(body.get("user") or ""))
+    max_tokens = int(max_tokens)  # 16.0 is 16
+    if given is not None:
+        limits.check_max_tokens("max_tokens", max_tokens)
+    spec = _flag(body, "speculation")
+    return GenRequest(ids, max_tokens, params, speculation=spec is not False,
+                      stop=_stop(body), session_id=_user(body))
+
+
+def _flag(body: dict, name: str) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidArgument(name, "must be a boolean")
+    return value
+
+
+def _user(body: dict) -> str:
+    """OpenAI's ``user`` (a string): the session key that keeps a conversation's KV."""
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidArgument("user", "must be a string")
+    return user or ""

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
 import grpc
 
+from services.router import auth, limits
 from services.router.policy import SPECULATION_CHOICES
-from specinfer import metrics, tracing
+from specinfer import metrics, tls, tracing
 from specinfer.models import DEFAULT_LLM
+
+log = logging.getLogger(__name__)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -27,6 +31,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "away (RESOURCE_EXHAUSTED / HTTP 429 with Retry-After); keep it above "
                         "the verifiers' --sequence-lease plus a step, so slots a dead router "
                         "held come back first")
+    p.add_argument("--speculate-timeout", type=_positive_seconds, default=2.0,
+                   help="seconds one Speculate call may hold a step; past it the step "
+                        "decodes without that speculator's trees and it is skipped for 5 s. "
+                        "2 s is ~20x the slowest speculation step measured on a 2-core CPU, "
+                        "so only a stuck or overloaded speculator hits it")
     p.add_argument("--spec-max-batch", type=int, default=2,
                    help="above this many live sequences, decode without speculation (below, "
                         "the router measures whether speculating pays). The default is "
@@ -40,12 +49,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "lookup: 2 model-free draft tokens drafted by the verifier, every step; "
                         "head: the verifier's draft head and model-free drafts (16 nodes), "
                         "every step")
+    auth.add_flags(p)
+    limits.add_flags(p)
+    tls.add_flags(p)
     tracing.add_flags(p)
     metrics.add_flags(p, "default: on the OpenAI API's --http-port; this port serves them "
                          "too, e.g. with --http-port 0")
 
 
 def run(args: argparse.Namespace) -> int:
+    # Settings that cannot work stop the router here (exit 2), before it listens.
+    args.limits = limits.from_flags(args)
+    args.tls = tls.from_flags(args)
+    args.keys = auth.ApiKeys.from_flags(args.api_key)
     tracing.setup_tracing("router", args.otlp_traces_endpoint)
     asyncio.run(serve(args))
     return 0
@@ -61,8 +77,13 @@ async def serve(args: argparse.Namespace, grace_s: float = 10.0) -> None:
     from specinfer.models import load_tokenizer
     from specinfer.v1 import router_pb2, router_pb2_grpc
 
-    service = Service("router", args.host, args.port)
-    servicer = RouterServicer()
+    # The public listener: TLS without client certificates (API keys authenticate callers);
+    # a request message past --max-body-bytes is refused by gRPC (RESOURCE_EXHAUSTED).
+    service = Service("router", args.host, args.port,
+                      args.tls.server_credentials(mutual=False) if args.tls else None,
+                      [("grpc.max_receive_message_length", args.limits.max_body_bytes)])
+    streams = limits.KeyStreams(args.limits.max_streams_per_key)
+    servicer = RouterServicer(args.keys, streams)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, service.server)
     service.add(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)
     await service.start()
@@ -76,16 +97,21 @@ async def serve(args: argparse.Namespace, grace_s: float = 10.0) -> None:
                           else [],
                           max_waiting=args.max_waiting, spec_max_batch=args.spec_max_batch,
                           speculation=args.speculation, queue_timeout_s=args.queue_timeout,
+                          speculate_timeout_s=args.speculate_timeout,
                           detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                          metrics=router_metrics)
+                          metrics=router_metrics, tls=args.tls)
     info = await _retry(scheduler.start)
-    frontend = Frontend(tokenizer, model_name, info["vocab_size"], info["dtype"])
+    frontend = Frontend(tokenizer, model_name, info["vocab_size"], info["dtype"], args.limits)
     servicer.scheduler, servicer.fe = scheduler, frontend
     http = None
     if args.http_port:
         http = await start_http(scheduler, frontend, args.host, args.http_port,
-                                router_metrics.registry)
+                                router_metrics.registry, args.keys, streams,
+                                args.metrics_auth,
+                                args.tls.ssl_context() if args.tls else None)
     await service.set_serving()
+    log.info("router ready", extra={"api_keys": len(args.keys), "tls": args.tls is not None,
+                                    "mutual_tls": bool(args.tls and args.tls.mutual)})
 
     async def stop() -> None:
         if http is not None:
@@ -93,6 +119,13 @@ async def serve(args: argparse.Namespace, grace_s: float = 10.0) -> None:
         await scheduler.close()
 
     await service.run_until_signal(grace_s, on_stop=stop)
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds; got {text}")
+    return value
 
 
 async def _retry(fn, attempts: int = 600, delay: float = 1.0):

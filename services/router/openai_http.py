@@ -18,7 +18,10 @@ from aiohttp import web
 from opentelemetry.trace import Status, StatusCode
 from prometheus_client import CollectorRegistry
 
+from services.router.auth import ApiKeys
 from services.router.frontend import Frontend, Generation, openai_requests
+from services.router.limits import KeyStreams
+from services.router.openapi import openapi_document, openapi_handler
 from services.router.request import GenRequest
 from services.router.scheduler import Scheduler
 from specinfer import metrics, tracing
@@ -44,8 +47,8 @@ def _service_error(exc: ServiceError) -> web.Response:
 
 
 class OpenAIApi:
-    def __init__(self, scheduler: Scheduler, fe: Frontend) -> None:
-        self.scheduler, self.fe = scheduler, fe
+    def __init__(self, scheduler: Scheduler, fe: Frontend, streams: KeyStreams) -> None:
+        self.scheduler, self.fe, self.streams = scheduler, fe, streams
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -53,13 +56,21 @@ class OpenAIApi:
         ]})
 
     async def _body(self, request: web.Request) -> dict:
-        raw = await request.read()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise BodyTooLarge(exc.text or "") from None
         try:
             body = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:
             raise InvalidArgument("body", "is not valid UTF-8") from exc
         except json.JSONDecodeError as exc:
             raise InvalidArgument("body", f"is not valid JSON: {exc.msg}") from exc
+        except ValueError as exc:  # an integer past Python's 4300 digits
+            raise InvalidArgument("body", "is not valid JSON: "
+                                  f"{str(exc).split(':', 1)[0]}") from exc
+        except RecursionError as exc:
+            raise InvalidArgument("body", "is not valid JSON: nested too deeply") from exc
         if not isinstance(body, dict):
             raise InvalidArgument("body", "must be a JSON object")
         return body
@@ -74,9 +85,10 @@ class OpenAIApi:
         try:
             body = await self._body(request)
             reqs = openai_requests(self.fe, body, chat)
+            with self.streams.hold(request[KEY_ID], len(reqs)):
+                return await self._run(request, body, reqs, chat)
         except ServiceError as exc:
             return _service_error(exc)
-        return await self._run(request, body, reqs, chat)
 
     async def _run(self, request: web.Request, body: dict, reqs: list[GenRequest],
                    chat: bool) -> web.StreamResponse:
@@ -270,6 +282,34 @@ async def _server_span(request: web.Request, handler):
         return response
 
 
+KEY_ID = web.RequestKey("key_id", str)  # on each request: who is asking (see auth.key_id)
+
+
+class BodyTooLarge(InvalidArgument):
+    http_status = 413
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("body", f"too large (--max-body-bytes): {detail}".rstrip(": "))
+
+
+def _authenticate(keys: ApiKeys, metrics_auth: bool):
+    """The API key check: every /v1/ call (and /metrics with ``metrics_auth``) needs one of
+    ``keys``; 401 with OpenAI's error otherwise. The key's id goes on the request."""
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler):
+        if request.path.startswith("/v1/") or (metrics_auth and request.path == "/metrics"):
+            try:
+                request[KEY_ID] = keys.check(request.headers.get("Authorization"))
+            except ServiceError as exc:
+                response = _error(401, str(exc), kind="invalid_request_error")
+                response.headers["WWW-Authenticate"] = "Bearer"
+                return response
+        return await handler(request)
+
+    return authenticate
+
+
 def _metrics_endpoint(registry: CollectorRegistry):
     async def scrape(request: web.Request) -> web.Response:
         return web.Response(body=metrics.exposition(registry),
@@ -279,16 +319,23 @@ def _metrics_endpoint(registry: CollectorRegistry):
 
 
 async def start_http(scheduler: Scheduler, fe: Frontend, host: str, port: int,
-                     registry: CollectorRegistry | None = None) -> web.AppRunner:
-    api = OpenAIApi(scheduler, fe)
-    app = web.Application(client_max_size=16 * 1024 * 1024,
-                          middlewares=[_server_span] if tracing.enabled() else [])
+                     registry: CollectorRegistry | None = None, keys: ApiKeys | None = None,
+                     streams: KeyStreams | None = None, metrics_auth: bool = False,
+                     ssl_context=None) -> web.AppRunner:
+    """The HTTP API on ``host:port`` (TLS with ``ssl_context``)."""
+    api = OpenAIApi(scheduler, fe, streams if streams is not None else KeyStreams(1 << 30))
+    middlewares = [_server_span] if tracing.enabled() else []
+    middlewares.append(_authenticate(keys if keys is not None else ApiKeys([]), metrics_auth))
+    app = web.Application(client_max_size=fe.limits.max_body_bytes, middlewares=middlewares)
     if registry is not None:
         app.router.add_get("/metrics", _metrics_endpoint(registry))
     app.router.add_get("/v1/models", api.models)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat)
+    app.router.add_get("/openapi.json", openapi_handler(lambda: openapi_document(
+        fe.model_name, fe.vocab_size, scheduler.replicas.max_context, fe.limits,
+        metrics=registry is not None, api_key_required=bool(keys), metrics_auth=metrics_auth)))
     runner = web.AppRunner(app)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
     return runner

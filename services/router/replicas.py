@@ -17,6 +17,7 @@ import grpc
 from services.router.metrics import RouterMetrics
 from services.router.request import GenRequest, Replica
 from specinfer.channels import internal_channel
+from specinfer.tls import TlsConfig
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -24,10 +25,10 @@ log = logging.getLogger(__name__)
 
 class ReplicaSet:
     def __init__(self, addresses: list[str], metrics: RouterMetrics,
-                 probe_every_s: float = 5.0) -> None:
+                 probe_every_s: float = 5.0, tls: TlsConfig | None = None) -> None:
         self.replicas = []
         for address in addresses:
-            channel = internal_channel(address)
+            channel = internal_channel(address, tls)
             replica = Replica(address, verifier_pb2_grpc.VerifierStub(channel), channel)
             self.replicas.append(replica)
             metrics.replica("verifier", address, lambda r=replica: r.healthy)

@@ -31,6 +31,7 @@ from services.router.replicas import ReplicaSet
 from services.router.request import GenRequest, hop_timeout
 from specinfer import tracing
 from specinfer.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceError
+from specinfer.tls import TlsConfig
 from specinfer.tree import accepted_depth
 from specinfer.v1 import common_pb2, verifier_pb2
 from specinfer.wire import logprob_from_proto, sampling_to_proto
@@ -46,12 +47,12 @@ class Scheduler:
                  prefill_token_budget: int = 4096,
                  detokenize: Callable[[list[int]], str] | None = None,
                  speculation: str = "adaptive", queue_timeout_s: float = 60.0,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, tls: TlsConfig | None = None) -> None:
         self.metrics = metrics if metrics is not None else RouterMetrics()
-        self.replicas = ReplicaSet(verifiers, self.metrics)
+        self.replicas = ReplicaSet(verifiers, self.metrics, tls=tls)
         self.speculators = SpeculatorPool(speculators, self.metrics, expansion=expansion,
                                           max_nodes=max_nodes, timeout_s=speculate_timeout_s,
-                                          step_timeout_s=step_timeout_s)
+                                          step_timeout_s=step_timeout_s, tls=tls)
         self.eos_ids = set(eos_ids)
         self.max_waiting = max_waiting
         # A request that waits this long for capacity is turned away (RESOURCE_EXHAUSTED,

@@ -1,5 +1,6 @@
 """The router's gRPC API, ``specinfer.v1.Router``: a thin servicer over the scheduler (the
-shared validation and streaming state are ``frontend``'s)."""
+shared validation and streaming state are ``frontend``'s; API keys are checked here, from
+the call's ``authorization`` metadata)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import time
 
 import grpc
 
+from services.router.auth import ApiKeys
 from services.router.frontend import Frontend, Generation, request_from_proto
+from services.router.limits import KeyStreams
 from services.router.request import GenRequest
 from services.router.scheduler import Scheduler
 from specinfer.errors import ServiceError, Unavailable
@@ -21,9 +24,11 @@ log = logging.getLogger(__name__)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self) -> None:
+    def __init__(self, keys: ApiKeys | None = None, streams: KeyStreams | None = None) -> None:
         self.scheduler: Scheduler | None = None
         self.fe: Frontend | None = None
+        self.keys = keys if keys is not None else ApiKeys([])
+        self.streams = streams if streams is not None else KeyStreams(1 << 30)
 
     def _start(self, request, context) -> Generation:
         if self.scheduler is None:
@@ -51,15 +56,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def GenerateStream(self, request, context):
         gen = None
         try:
-            gen = self._start(request, context)
-            async for new, delta, logprobs in gen.deltas():
-                if new or delta:
-                    yield router_pb2.GenerateStreamResponse(
-                        text=delta, token_ids=new,
-                        logprobs=[logprob_to_proto(lp) for lp in logprobs])
-            yield router_pb2.GenerateStreamResponse(finish_reason=gen.req.finish_reason,
-                                                    usage=_usage(gen.req), stats=_stats(gen.req),
-                                                    dtype=self.fe.dtype)
+            key = self.keys.check(dict(context.invocation_metadata() or ()).get("authorization"))
+            with self.streams.hold(key):
+                gen = self._start(request, context)
+                async for new, delta, logprobs in gen.deltas():
+                    if new or delta:
+                        yield router_pb2.GenerateStreamResponse(
+                            text=delta, token_ids=new,
+                            logprobs=[logprob_to_proto(lp) for lp in logprobs])
+                yield router_pb2.GenerateStreamResponse(
+                    finish_reason=gen.req.finish_reason, usage=_usage(gen.req),
+                    stats=_stats(gen.req), dtype=self.fe.dtype)
         except asyncio.CancelledError:  # the client went away: free the sequence
             if gen:
                 self.scheduler.cancel(gen.req)

@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from services.flags import DATASTORE_CHOICES, load_datastore, parse_expansion
-from specinfer import metrics, tracing
+from specinfer import metrics, tls, tracing
 from specinfer.models import DEFAULT_LLM
 from specinfer.placement import add_flags as add_placement_flags
 from specinfer.placement import from_flags
@@ -37,6 +37,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50052)
     p.add_argument("--threads", type=int, default=0)
     add_placement_flags(p)
+    tls.add_flags(p)
     tracing.add_flags(p)
     metrics.add_flags(p, "drafting times")
 
@@ -72,8 +73,10 @@ def run(args: argparse.Namespace) -> int:
     from services.speculator.server import serve
 
     from_flags(args)  # fail on bad placement flags before serving
+    config = tls.from_flags(args)
     tracing.setup_tracing("speculator", args.otlp_traces_endpoint)
     speculator_metrics = SpeculatorMetrics(args.llm)
     metrics.serve_metrics(speculator_metrics.registry, args.host, args.metrics_port)
-    asyncio.run(serve(lambda: build(args), args.host, args.port, metrics=speculator_metrics))
+    asyncio.run(serve(lambda: build(args), args.host, args.port, metrics=speculator_metrics,
+                      credentials=tls.server_credentials_from(config)))
     return 0

@@ -63,8 +63,9 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
 
 
 async def serve(build, host: str, port: int, grace_s: float = 10.0,
-                metrics: SpeculatorMetrics | None = None) -> None:
+                metrics: SpeculatorMetrics | None = None,
+                credentials: grpc.ServerCredentials | None = None) -> None:
     await serve_engine("speculator", SpeculatorServicer(metrics),
                        speculator_pb2_grpc.add_SpeculatorServicer_to_server,
                        speculator_pb2.DESCRIPTOR.services_by_name["Speculator"].full_name,
-                       build, host, port, grace_s)
+                       build, host, port, grace_s, credentials=credentials)

@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from services.flags import DATASTORE_CHOICES, load_datastore, parse_expansion
-from specinfer import metrics, tracing
+from specinfer import metrics, tls, tracing
 from specinfer.models import DEFAULT_LLM, ModelError
 from specinfer.placement import add_flags as add_placement_flags
 from specinfer.placement import from_flags
@@ -61,6 +61,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-nodes", type=int, default=8,
                    help="the most nodes of a step's tree the draft head drafts; model-free "
                         "drafts fill the rest of the step's budget")
+    tls.add_flags(p)
     tracing.add_flags(p)
     metrics.add_flags(p, "KV cache usage, step times")
 
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise ModelError(f"--sequence-lease must be >= 0 seconds; got {args.sequence_lease}")
     head = _draft_head(args.draft_head, args.llm, args.tp * args.pp > 1)
     placement = from_flags(args)
+    tls_config = tls.from_flags(args)
     if args.rank_timeout <= 0:
         raise ModelError(f"--rank-timeout must be > 0 seconds; got {args.rank_timeout}")
     meet = rendezvous_from(args.node_rank, args.master_addr, args.master_port, args.pp,
@@ -101,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     tracing.setup_tracing("verifier", args.otlp_traces_endpoint)
     verifier_metrics = VerifierMetrics(args.llm)
     metrics.serve_metrics(verifier_metrics.registry, args.host, args.metrics_port)
-    asyncio.run(serve(build, args.host, args.port, metrics=verifier_metrics))
+    asyncio.run(serve(build, args.host, args.port, metrics=verifier_metrics,
+                      credentials=tls.server_credentials_from(tls_config)))
     return 0
 
 

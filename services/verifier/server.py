@@ -156,7 +156,8 @@ def _first_logprob(logprobs: list) -> object:
 
 
 async def serve(build, host: str, port: int, grace_s: float = 10.0,
-                sweep_every_s: float = 1.0, metrics: VerifierMetrics | None = None) -> None:
+                sweep_every_s: float = 1.0, metrics: VerifierMetrics | None = None,
+                credentials: grpc.ServerCredentials | None = None) -> None:
     """Serve until SIGTERM; every ``sweep_every_s`` free the sequences past their lease
     (``VerifierEngine.expire``), on the engine's thread like every call."""
     servicer = VerifierServicer(metrics)
@@ -175,6 +176,7 @@ async def serve(build, host: str, port: int, grace_s: float = 10.0,
                            verifier_pb2_grpc.add_VerifierServicer_to_server,
                            verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
                            build, host, port, grace_s, close=lambda e: e.executor.close(),
-                           healthy=lambda e: getattr(e.executor, "healthy", True))
+                           healthy=lambda e: getattr(e.executor, "healthy", True),
+                           credentials=credentials)
     finally:
         sweeper.cancel()

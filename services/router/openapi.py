@@ -1,0 +1,342 @@
+"""The OpenAPI 3.1 document of the router's HTTP API (``GET /openapi.json``): what
+``openai_http.py`` serves and ``frontend.py`` validates, with the bounds a request must
+keep (so that schema-driven fuzzers such as schemathesis generate requests the server must
+accept, and know which answers it may give). Token-level limits (a prompt's length in
+tokens, token ids below the vocabulary size) are stated where a schema can express them and
+described where it cannot (a string's token count)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from aiohttp import web
+
+from services.router.frontend import MAX_TOKENS_LIMIT
+from services.router.limits import Limits
+from specinfer.sampling import MAX_PENALTY
+
+FLOAT32_MAX = 3.4e38  # sampling floats travel as float32: larger ones become infinite
+FLOAT32_TINY = 1e-45  # ... and smaller positive ones 0 (top_p and repetition_penalty > 0)
+
+
+def _nullable(schema: dict) -> dict:
+    """``schema`` or JSON null (the API treats null as "not given")."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _below(n: int) -> str:
+    """A regex for the decimal integers 0..n-1 without leading zeros (JSON object keys
+    that are token ids)."""
+    top = str(n - 1)
+    if len(top) == 1:
+        return f"^[0-{top}]$"
+    alternatives = ["[0-9]"]
+    if len(top) > 2:
+        alternatives.append(f"[1-9][0-9]{{1,{len(top) - 2}}}")
+    # As long as the top: a prefix of it, then a smaller digit, then any digits.
+    for k, digit in enumerate(top):
+        low = 1 if k == 0 else 0
+        if int(digit) > low:
+            rest = len(top) - k - 1
+            alternatives.append(f"{top[:k]}[{low}-{int(digit) - 1}]"
+                                + (f"[0-9]{{{rest}}}" if rest else ""))
+    alternatives.append(top)
+    return "^(" + "|".join(alternatives) + ")$"
+
+
+def _refused(off: dict, what: str) -> dict:
+    """An OpenAI field this server does not implement: only its "off" value (or null) is
+    accepted; anything else is a 400 naming the field."""
+    return {**_nullable(off), "description": f"Not implemented: {what}"}
+
+
+def _error_body() -> dict:
+    return {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string", "enum": ["invalid_request_error", "rate_limit_error",
+                                                    "authentication_error", "server_error"]},
+                "param": {"type": ["string", "null"],
+                          "description": "The request field at fault (e.g. max_tokens, "
+                                         "messages[0].role, logit_bias[0])."},
+                "code": {"type": ["string", "null"]},
+            },
+        }},
+    }
+
+
+def _errors(limits: Limits) -> dict:
+    def error(description: str, headers: dict | None = None) -> dict:
+        out = {"description": description,
+               "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        if headers:
+            out["headers"] = headers
+        return out
+
+    return {
+        "400": error("Invalid request: the error's param names the field (a bad value, an "
+                     "unsupported field, a prompt longer than the context)."),
+        "401": error("Missing or wrong API key (when the router runs with --api-key)."),
+        "413": error(f"The request body is larger than {limits.max_body_bytes} bytes "
+                     "(--max-body-bytes)."),
+        "429": error("No capacity: too many queued requests, waited past the queue "
+                     "timeout, or too many requests of this API key in flight.",
+                     {"Retry-After": {"description": "Seconds to wait.",
+                                      "schema": {"type": "integer"}}}),
+        "5XX": error("The generation failed upstream (a verifier or speculator), or the "
+                     "stack is not ready."),
+    }
+
+
+def _sampling_properties() -> dict:
+    number = {"type": "number"}
+    return {
+        "temperature": _nullable({**number, "minimum": 0, "maximum": FLOAT32_MAX,
+                                  "description": "0 (or below 1e-5): greedy. Default 1."}),
+        "top_p": _nullable({**number, "minimum": FLOAT32_TINY, "maximum": 1,
+                            "description": "Nucleus sampling, in (0, 1]; the value must stay "
+                                           "positive in float32. Default 1."}),
+        "top_k": _nullable({"type": "integer", "minimum": 0, "maximum": 2**31 - 1,
+                            "description": "0: off."}),
+        "min_p": _nullable({**number, "minimum": 0, "maximum": 1}),
+        "seed": _nullable({"type": "integer", "minimum": 0, "maximum": 2**64 - 1,
+                           "description": "Choice i of n is seeded with seed + i."}),
+        "presence_penalty": _nullable({**number, "minimum": -MAX_PENALTY,
+                                       "maximum": MAX_PENALTY}),
+        "frequency_penalty": _nullable({**number, "minimum": -MAX_PENALTY,
+                                        "maximum": MAX_PENALTY}),
+        "repetition_penalty": _nullable({**number, "minimum": FLOAT32_TINY,
+                                         "maximum": FLOAT32_MAX,
+                                         "description": "vLLM's; > 0, 1 = off."}),
+    }
+
+
+def _common_properties(model_name: str, vocab_size: int, limits: Limits) -> dict:
+    most = limits.max_tokens or MAX_TOKENS_LIMIT
+    stop = {"type": "string", "maxLength": limits.max_stop_chars}
+    max_tokens = _nullable({"type": "integer", "minimum": 1, "maximum": most,
+                            "description": "Capped to the context left after the prompt."})
+    return {
+        "model": {"enum": [model_name, None], "description": "The served model (or null)."},
+        "max_tokens": max_tokens,
+        "max_completion_tokens": {**max_tokens, "description": "Takes precedence over "
+                                  "max_tokens."},
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": limits.max_n}),
+        "stream": _nullable({"type": "boolean", "description": "Server-sent events."}),
+        "stop": _nullable({"anyOf": [stop, {"type": "array",
+                                            "maxItems": limits.max_stop_strings,
+                                            "items": stop}]}),
+        **_sampling_properties(),
+        "logit_bias": _nullable({
+            "type": "object", "propertyNames": {"pattern": _below(vocab_size)},
+            "additionalProperties": {"type": "number"},
+            "description": f"Token id (0..{vocab_size - 1}, as a string) -> bias, clamped "
+                           "to +-100."}),
+        "speculation": _nullable({"type": "boolean", "description": "specinfer's own: false "
+                                  "decodes one token per step (default true)."}),
+        "user": _nullable({"type": "string", "description": "Keeps a conversation on the "
+                           "verifier holding its KV cache."}),
+        "response_format": _refused({"type": "object", "required": ["type"],
+                                     "properties": {"type": {"const": "text"}}},
+                                    'only {"type": "text"}.'),
+        "tools": _refused({"type": "array", "maxItems": 0}, "only []."),
+        "functions": _refused({"type": "array", "maxItems": 0}, "only []."),
+        "tool_choice": _refused({"const": "none"}, 'only "none".'),
+        "function_call": _refused({"const": "none"}, 'only "none".'),
+        "modalities": _refused({"const": ["text"]}, 'only ["text"].'),
+        "best_of": _refused({"const": 1}, "only 1."),
+        "echo": _refused({"const": False}, "only false."),
+        "suffix": _refused({"const": ""}, 'only "".'),
+        **{name: _refused({"not": {}}, "only null.") for name in (
+            "parallel_tool_calls", "audio", "prediction", "reasoning_effort",
+            "web_search_options", "verbosity")},
+    }
+
+
+def _request_schemas(model_name: str, vocab_size: int, max_context: int,
+                     limits: Limits) -> dict:
+    common = _common_properties(model_name, vocab_size, limits)
+    most = min(limits.max_prompt_tokens or max_context - 1, max_context - 1)
+    token_ids = {"type": "array", "minItems": 1, "maxItems": most,
+                 "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+    completion = {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {
+            "prompt": {"anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "maxItems": 1,
+                 "items": {"type": "string", "minLength": 1}},
+                token_ids,
+            ], "description": f"Text, or token ids; at most {most} tokens (a longer "
+                              "prompt is a 400 naming prompt)."},
+            **common,
+            "logprobs": _nullable({"type": "integer", "minimum": 0,
+                                   "maximum": limits.max_logprobs,
+                                   "description": "Report each token's logprob and this "
+                                                  "many alternatives."}),
+        },
+    }
+    chat = {
+        "type": "object",
+        "required": ["messages"],
+        "properties": {
+            "messages": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["role", "content"],
+                "properties": {"role": {"enum": ["system", "user", "assistant"]},
+                               "content": {"type": "string"}},
+            }, "description": f"Rendered with the model's chat template; at most {most} "
+                              "tokens in all (more: a 400 naming messages or prompt)."},
+            **common,
+            "logprobs": _nullable({"type": "boolean"}),
+            "top_logprobs": _nullable({"type": "integer", "minimum": 0,
+                                       "maximum": limits.max_logprobs,
+                                       "description": "Needs logprobs: true."}),
+        },
+        # top_logprobs (not null) only with logprobs: true.
+        "if": {"required": ["top_logprobs"],
+               "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+    }
+    return {"CompletionRequest": completion, "ChatCompletionRequest": chat}
+
+
+def _response_schemas() -> dict:
+    nonneg = {"type": "integer", "minimum": 0}
+    usage = {"type": "object",
+             "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+             "properties": {"prompt_tokens": nonneg, "completion_tokens": nonneg,
+                            "total_tokens": nonneg, "speculation": {
+                                "type": "object", "properties": {
+                                    "steps": nonneg,
+                                    "accepted_per_step": {"type": "array", "items": nonneg}}}}}
+    finish = {"enum": ["stop", "length"]}
+    top_entry = {"type": "object", "required": ["token", "logprob", "bytes"],
+                 "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
+                                "bytes": {"type": "array", "items": {
+                                    "type": "integer", "minimum": 0, "maximum": 255}}}}
+    chat_logprobs = _nullable({"type": "object", "required": ["content"], "properties": {
+        "content": {"type": "array", "items": {
+            "allOf": [top_entry],
+            "required": ["top_logprobs"],
+            "properties": {"top_logprobs": {"type": "array", "items": top_entry}}}}}})
+    text_logprobs = _nullable({
+        "type": "object",
+        "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+        "properties": {
+            "tokens": {"type": "array", "items": {"type": "string"}},
+            "token_logprobs": {"type": "array", "items": {"type": "number"}},
+            "top_logprobs": {"type": "array", "items": {
+                "type": "object", "additionalProperties": {"type": "number"}}},
+            "text_offset": {"type": "array", "items": nonneg},
+        }})
+
+    def completion(obj: str, choice: dict) -> dict:
+        return {"type": "object",
+                "required": ["id", "object", "created", "model", "choices", "usage"],
+                "properties": {"id": {"type": "string"}, "object": {"const": obj},
+                               "created": {"type": "integer"}, "model": {"type": "string"},
+                               "choices": {"type": "array", "minItems": 1, "items": choice},
+                               "usage": usage}}
+
+    text_choice = {"type": "object", "required": ["index", "text", "finish_reason", "logprobs"],
+                   "properties": {"index": nonneg, "text": {"type": "string"},
+                                  "finish_reason": finish, "logprobs": text_logprobs}}
+    chat_choice = {"type": "object",
+                   "required": ["index", "message", "finish_reason", "logprobs"],
+                   "properties": {"index": nonneg, "finish_reason": finish,
+                                  "logprobs": chat_logprobs, "message": {
+                                      "type": "object", "required": ["role", "content"],
+                                      "properties": {"role": {"const": "assistant"},
+                                                     "content": {"type": "string"}}}}}
+    return {
+        "Completion": completion("text_completion", text_choice),
+        "ChatCompletion": completion("chat.completion", chat_choice),
+        "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
+            "object": {"const": "list"}, "data": {"type": "array", "items": {
+                "type": "object", "required": ["id", "object", "created", "owned_by"],
+                "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                               "created": {"type": "integer"},
+                               "owned_by": {"type": "string"}}}}}},
+        "Error": _error_body(),
+    }
+
+
+def _generate_operation(summary: str, request: str, response: str, errors: dict) -> dict:
+    ref = "#/components/schemas/"
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": ref + request}}}},
+        "responses": {
+            "200": {"description": "The completion; with stream: true, server-sent events "
+                                   "(data: chunk JSON per delta, a usage chunk, an error event "
+                                   "if generation fails, then data: [DONE]).",
+                    "content": {"application/json": {"schema": {"$ref": ref + response}},
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            **errors,
+        },
+    }
+
+
+def openapi_document(model_name: str, vocab_size: int, max_context: int,
+                     limits: Limits | None = None, *, metrics: bool = True,
+                     api_key_required: bool = False, metrics_auth: bool = False) -> dict:
+    """The router's HTTP API for the model served (``model_name``: the only accepted
+    ``model``; ``vocab_size`` and ``max_context``: the verifiers', for token ids and prompt
+    lengths; ``limits``: the router's request limits). ``metrics``: whether ``/metrics`` is
+    served on this port; ``api_key_required``: whether the API needs ``Authorization: Bearer
+    KEY`` (``metrics_auth``: /metrics too)."""
+    limits = limits if limits is not None else Limits()
+    errors = _errors(limits)
+    bearer = [{"bearerAuth": []}]
+    # Without --api-key no credentials are needed: the empty requirement says so.
+    security = bearer if api_key_required else [{}, *bearer]
+    paths: dict[str, Any] = {
+        "/v1/models": {"get": {
+            "summary": "The served model.",
+            "responses": {"200": {"description": "One model.", "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/ModelList"}}}},
+                "401": errors["401"]}}},
+        "/v1/completions": {"post": _generate_operation(
+            "Text completion (OpenAI's legacy completions).", "CompletionRequest",
+            "Completion", errors)},
+        "/v1/chat/completions": {"post": _generate_operation(
+            "Chat completion.", "ChatCompletionRequest", "ChatCompletion", errors)},
+    }
+    if metrics:
+        responses = {"200": {"description": "The exposition format.",
+                             "content": {"text/plain": {"schema": {"type": "string"}}}}}
+        if metrics_auth:
+            responses["401"] = errors["401"]
+        paths["/metrics"] = {"get": {
+            "summary": "Prometheus metrics (vLLM's names, prefix specinfer:).",
+            "security": security if metrics_auth else [], "responses": responses}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "specinfer router", "version": "1",
+                 "description": "OpenAI-compatible API of a SpecInfer serving stack."},
+        "paths": paths,
+        "security": security,
+        "components": {
+            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+            "schemas": {**_request_schemas(model_name, vocab_size, max_context, limits),
+                        **_response_schemas()},
+        },
+    }
+
+
+def openapi_handler(document: Callable[[], dict]) -> Callable[
+        [web.Request], Coroutine[Any, Any, web.Response]]:
+    """An aiohttp handler serving ``document()`` (built per request: the verifiers'
+    limits may change as replicas come and go)."""
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response(document())
+
+    return handler

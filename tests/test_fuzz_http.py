@@ -1,0 +1,162 @@
+"""Schema-driven fuzzing of the router's OpenAI HTTP API with schemathesis: the router
+serves its own OpenAPI document (``/openapi.json``); every operation in it is fed requests
+generated from it, valid ones and invalid ones, against a real verifier and router (tiny
+random Llama over SmolLM2's tokenizer, API keys on). Each answer must be no 5xx, a status
+code and content type the document declares, a body matching its schema; invalid requests
+must be refused (4xx), valid ones accepted; auth must be enforced. Afterwards the stack
+still answers correctly. ``SPECINFER_FUZZ_EXAMPLES`` raises the examples per operation and
+mode (``make fuzz``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.specs.openapi import checks as openapi_checks
+from servers import free_port, wait_serving
+
+from services.stack import stop_processes
+
+EXAMPLES = int(os.environ.get("SPECINFER_FUZZ_EXAMPLES", "25"))
+KEY = "fuzz-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_CONTEXT = 128  # every generation ends within ~127 tokens, whatever max_tokens says
+MAX_BODY = 64 * 1024  # small, so the 413 check sends little
+
+OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+              ("GET", "/v1/models"), ("GET", "/metrics")]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_chat_llm):
+    """A verifier and a router (its HTTP API with an API key) as separate processes."""
+    exe = [sys.executable, "-m", "services", "serve"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    vport, port, http = free_port(), free_port(), free_port()
+    procs = [subprocess.Popen(exe + [
+        "verifier", "--llm", tiny_chat_llm, "--port", str(vport), "--slots", "8",
+        "--max-context", str(MAX_CONTEXT), "--threads", "1", "--datastore", "none",
+        "--draft-head", "none"], env=env)]
+    procs.append(subprocess.Popen(exe + [
+        "router", "--llm", tiny_chat_llm, "--port", str(port), "--http-port", str(http),
+        "--verifier", f"127.0.0.1:{vport}", "--api-key", KEY,
+        "--max-body-bytes", str(MAX_BODY)], env=env))
+    try:
+        wait_serving(f"127.0.0.1:{port}", procs[-1], timeout=240)
+        yield {"url": f"http://127.0.0.1:{http}", "procs": procs, "model": tiny_chat_llm}
+    finally:
+        stop_processes(procs)
+
+
+@pytest.fixture(scope="module")
+def api(stack):
+    return schemathesis.openapi.from_url(stack["url"] + "/openapi.json")
+
+
+def accepts_valid_requests(ctx, response, case) -> bool | None:
+    """schemathesis' positive_data_acceptance, less the one refusal a schema cannot
+    foresee: a prompt longer than the context in tokens (a string's token count)."""
+    if case.meta is None or not case.meta.generation.mode.is_positive:
+        return None
+    if response.status_code == 400:
+        error = response.json()["error"]
+        if error["param"] in ("prompt", "messages") and "tokens" in error["message"]:
+            return True
+    assert response.status_code < 400 or response.status_code == 429, \
+        f"a schema-valid request was refused: {response.status_code} {response.text[:500]}"
+    return True
+
+
+CHECKS = [
+    schemathesis.checks.not_a_server_error,
+    openapi_checks.status_code_conformance,
+    openapi_checks.content_type_conformance,
+    openapi_checks.response_headers_conformance,
+    openapi_checks.response_schema_conformance,
+    openapi_checks.negative_data_rejection,
+    openapi_checks.ignored_auth,
+    accepts_valid_requests,
+]
+
+
+def test_the_document_is_served_and_describes_the_api(stack, api):
+    doc = requests.get(stack["url"] + "/openapi.json", timeout=10).json()
+    assert doc["openapi"].startswith("3.1")
+    assert {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops} == set(OPERATIONS)
+    assert doc["security"] == [{"bearerAuth": []}]  # the router runs with --api-key
+    chat = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert chat["model"]["enum"] == [stack["model"], None]
+    for method, path in OPERATIONS:
+        assert api[path][method] is not None
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
+                         ids=lambda m: m.value)
+@pytest.mark.parametrize("method,path", OPERATIONS, ids=lambda x: x)
+def test_fuzz_operation(stack, api, method, path, mode):
+    if mode is GenerationMode.NEGATIVE and path == "/metrics":
+        pytest.skip("no input to make invalid")
+    operation = api[path][method]
+    session = requests.Session()
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                     HealthCheck.data_too_large])
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def fuzz(case):
+        case.call_and_validate(base_url=stack["url"], session=session, headers=AUTH,
+                               checks=CHECKS, timeout=120)
+
+    fuzz()
+    for proc in stack["procs"]:
+        assert proc.poll() is None, f"{proc.args[4]} exited with {proc.returncode}"
+
+
+def test_declared_refusals_conform(stack, api):
+    """The answers fuzzing rarely reaches: no key, a wrong key, a body past the limit."""
+    completions = api["/v1/completions"]["POST"]
+    for headers, status in (({}, 401), ({"Authorization": "Bearer wrong"}, 401),
+                            (AUTH, 413)):
+        case = completions.Case(body={"prompt": "x" * (MAX_BODY + 1), "max_tokens": 1},
+                                headers=headers)
+        response = case.call(base_url=stack["url"], timeout=60)
+        assert response.status_code == status, response.text
+        case.validate_response(response, checks=CHECKS[:5])
+        assert response.json()["error"]["message"]
+
+
+def _complete(stack, path: str, body: dict) -> dict:
+    response = requests.post(stack["url"] + path, json=body, headers=AUTH, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_good_requests_still_answer_correctly_after_fuzzing(stack):
+    """Greedy output with speculation equals it without, on both APIs, streamed too."""
+    common = {"model": stack["model"], "max_tokens": 24, "temperature": 0}
+    prompt = {**common, "prompt": "The quick brown fox"}
+    chat = {**common, "messages": [{"role": "user", "content": "Hello!"}]}
+    plain = _complete(stack, "/v1/completions", {**prompt, "speculation": False})
+    fast = _complete(stack, "/v1/completions", prompt)
+    assert fast["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert fast["usage"]["completion_tokens"] == 24
+    plain_chat = _complete(stack, "/v1/chat/completions", {**chat, "speculation": False})
+    fast_chat = _complete(stack, "/v1/chat/completions", chat)
+    assert fast_chat["choices"][0]["message"] == plain_chat["choices"][0]["message"]
+    streamed = requests.post(stack["url"] + "/v1/completions", headers=AUTH, timeout=120,
+                             json={**prompt, "stream": True})
+    assert streamed.status_code == 200
+    assert streamed.headers["Content-Type"].startswith("text/event-stream")
+    events = [line[len("data: "):] for line in streamed.text.splitlines() if line]
+    assert events[-1] == "[DONE]"
+    text = "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"])
+    assert text == plain["choices"][0]["text"]
+    for proc in stack["procs"]:
+        assert proc.poll() is None
