@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.setup-done
 PROTOS := $(wildcard proto/specinfer/v1/*.proto)
 
-.PHONY: setup proto lint test run bench bench-quick bench-tracing gpu-wheels clean
+.PHONY: setup proto lint test run bench bench-quick soak fuzz bench-tracing gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,18 @@ bench: setup
 
 bench-quick: setup
 	$(PY) bench/run.py --quick
+
+# The stack (default models) at capacity for SOAK_MINUTES with mixed and bad traffic, a
+# service killed every minute with SOAK_KILL=speculator|verifier|router: nothing lost, KV
+# slots free at the end, memory slopes (bench/results/soak-<date>/).
+SOAK_MINUTES ?= 10
+soak: setup
+	$(PY) bench/soak.py --minutes $(SOAK_MINUTES) $(if $(SOAK_KILL),--kill $(SOAK_KILL))
+
+# The fuzz tests with far more examples than `make test` runs (1000 per HTTP operation and
+# mode, per gRPC method): schemathesis on the OpenAI API, hypothesis on every RPC. ~15-20 min.
+fuzz: setup
+	SPECINFER_FUZZ_EXAMPLES=1000 $(VENV)/bin/pytest tests/test_fuzz_http.py tests/test_fuzz_grpc.py
 
 # What tracing costs (tokens/s, tracing off vs on) and /metrics latency under load: ~5 min.
 bench-tracing: setup

@@ -1,8 +1,9 @@
 """Soak: a whole stack (``specinfer up``) driven at its capacity for ``--minutes`` with a mix
 of traffic — gRPC streams and unary calls (greedy and seeded sampling), streams cancelled
 mid-way, calls with short client deadlines, bad requests (gRPC and HTTP), OpenAI HTTP
-completions — optionally killing one kind of service every ``--kill-every`` seconds
-(``up`` restarts it). Then it checks:
+completions; the first ``--quiet`` of each minute only two requests are in flight, so the
+router speculates (past ``--spec-max-batch`` it decodes plainly). Optionally one kind of
+service is killed every ``--kill-every`` seconds (``up`` restarts it). Then it checks:
 
 - every request is accounted for once: answered completely (token count = the usage's,
   within max_tokens; greedy ones equal to the reference taken before the load, speculation
@@ -84,6 +85,7 @@ class Record:
     outcome: str  # complete, cancelled, deadline_exceeded, resource_exhausted, unavailable,
     # invalid_argument, wrong (answered, but not as it should be), lost, error
     tokens: int = 0
+    speculative_steps: int = 0
     detail: str = ""  # a status message or what was wrong (never prompt text)
 
 
@@ -104,7 +106,8 @@ class Load:
     """The traffic: ``concurrency`` workers, each sending one request after another."""
 
     def __init__(self, addr: str, http: str, model: str, reference: dict[str, list[int]],
-                 max_tokens: int, request_timeout: float, metadata: list | None) -> None:
+                 max_tokens: int, request_timeout: float, metadata: list | None,
+                 quiet: float = 0.0) -> None:
         self.channel = grpc.aio.insecure_channel(addr, options=GRPC_OPTIONS)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.http, self.model, self.reference = http, model, reference
@@ -113,6 +116,11 @@ class Load:
         self.records: list[Record] = []
         self.in_flight: dict[str, str] = {}  # id -> kind
         self.t0 = time.monotonic()
+        self.quiet = quiet
+
+    def quiet_now(self) -> bool:
+        """In the quiet start of the current minute (the first one's is in the warm-up)."""
+        return (time.monotonic() - self.t0) % 60 < 60 * self.quiet
 
     def _check(self, prompt: str | None, ids: list[int], usage_tokens: int, finish: str,
                max_tokens: int) -> str:
@@ -173,6 +181,8 @@ class Load:
                 rec.outcome, rec.tokens = "cancelled", len(ids)
                 return
         rec.tokens = len(ids)
+        if last is not None:
+            rec.speculative_steps = last.stats.speculative_steps
         if last is None:
             rec.outcome, rec.detail = "lost", "the stream ended without a message"
             return
@@ -188,7 +198,7 @@ class Load:
                             seed=rng.randrange(1 << 31) if sampled else None)
         timeout = rng.uniform(0.05, 0.5) if kind == "deadline" else self.timeout
         out = await self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
-        rec.tokens = len(out.token_ids)
+        rec.tokens, rec.speculative_steps = len(out.token_ids), out.stats.speculative_steps
         wrong = self._check(None if sampled else prompt, list(out.token_ids),
                             out.usage.completion_tokens, out.finish_reason, max_tokens)
         rec.outcome, rec.detail = ("wrong", wrong) if wrong else ("complete", "")
@@ -222,6 +232,9 @@ class Load:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             n = 0
             while time.monotonic() < until:
+                if i >= 2 and self.quiet_now():
+                    await asyncio.sleep(0.2)
+                    continue
                 kind, rid = rng.choices(kinds, weights)[0], f"w{i}-{n}"
                 n += 1
                 self.in_flight[rid] = kind
@@ -231,6 +244,8 @@ class Load:
                     rec = Record(rid, kind, 0.0, 0.0, "error", detail=repr(exc)[:200])
                 self.records.append(rec)
                 del self.in_flight[rid]
+                if rec.outcome in ("unavailable", "resource_exhausted"):
+                    await asyncio.sleep(0.5)  # as a client would, rather than spin
 
 
 def rss_mib(pid: int) -> float | None:
@@ -243,9 +258,10 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
-def slope_mib_per_min(points: list[tuple[float, float]], after_s: float) -> float | None:
-    """Least-squares slope of (seconds, MiB) samples taken after ``after_s``."""
-    pts = [(t, m) for t, m in points if t >= after_s]
+def slope_mib_per_min(points: list[tuple[float, float]], warmup_s: float) -> float | None:
+    """Least-squares slope of one process's (seconds, MiB) samples, those ``warmup_s`` after
+    its first (a restarted process warms up too); None if too few remain."""
+    pts = [(t, m) for t, m in points if t >= points[0][0] + warmup_s]
     if len(pts) < 5 or pts[-1][0] - pts[0][0] < 20:
         return None
     n = len(pts)
@@ -355,9 +371,14 @@ async def soak(args: argparse.Namespace, stack: Stack, out: Path) -> dict:
                                                       speculation=False),
                                         timeout=300, metadata=metadata)
             reference[p] = list(reply.token_ids)
+        for p in PROMPTS:  # and with speculation: the same tokens (it warms up drafting)
+            reply = await stub.Generate(build_request(p, max_tokens=args.max_tokens),
+                                        timeout=300, metadata=metadata)
+            if list(reply.token_ids) != reference[p]:
+                raise SystemExit("greedy output with speculation differs from without")
     first = {role: pid for role, pid, _ in stack.services()}
     load = Load(stack.addr, stack.http, model, reference, args.max_tokens,
-                args.request_timeout, metadata)
+                args.request_timeout, metadata, args.quiet)
     duration = args.minutes * 60
     until = load.t0 + duration
     memory: dict[str, list[tuple[float, float]]] = {}
@@ -438,6 +459,7 @@ async def soak(args: argparse.Namespace, stack: Stack, out: Path) -> dict:
         "load_seconds": round(load_s, 1), "requests": len(load.records),
         "requests_per_minute": round(len(load.records) / (load_s / 60), 1),
         "tokens": sum(r.tokens for r in load.records if r.outcome == "complete"),
+        "speculative_steps": sum(r.speculative_steps for r in load.records),
         "outcomes": outcomes, "unexpected": unexpected[:50],
         "unexpected_count": len(unexpected), "lost_in_flight": lost_in_flight,
         "live_sequences_at_end": live, "live_sequences_metric": live_metric,
@@ -490,6 +512,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=48, help="the most tokens a request asks")
     p.add_argument("--concurrency", type=int, default=0,
                    help="requests in flight (default: --slots + 4: every slot busy, a queue)")
+    p.add_argument("--quiet", type=float, default=0.25,
+                   help="the fraction of each minute (its start) with two requests in "
+                        "flight")
     p.add_argument("--kill", choices=("speculator", "verifier", "router"), default=None,
                    help="SIGKILL this service every --kill-every seconds (up restarts it)")
     p.add_argument("--kill-every", type=float, default=60.0)
@@ -498,7 +523,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--queue-timeout, 60 s)")
     p.add_argument("--sample-every", type=float, default=2.0, help="memory samples (s)")
     p.add_argument("--warmup", type=float, default=-1.0,
-                   help="seconds before memory slopes count (default: a quarter of the run)")
+                   help="seconds of each process's life before its memory slope counts "
+                        "(default: a quarter of the run)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="passed to up: the verifier's /metrics here, read at the end too")
     p.add_argument("--seed", type=int, default=0)

@@ -217,12 +217,12 @@ class Client:
             else grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.timeout, self.retries = timeout, retries
-        self.metadata = _auth_metadata(api_key, metadata)
+        self.metadata, self.api_key = metadata, api_key
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  metadata=None, **kwargs) -> Completion:
         req = build_request(prompt, **kwargs)
-        md = _with_trace_context(metadata or self.metadata)
+        md = _with_trace_context(_auth_metadata(self.api_key, metadata or self.metadata))
         for attempt in range(self.retries + 1):
             try:
                 return _completion(self.stub.Generate(req, timeout=timeout or self.timeout,
@@ -236,7 +236,7 @@ class Client:
     def stream(self, prompt: str | None = None, *, timeout: float | None = None,
                metadata=None, **kwargs) -> Iterator[Chunk]:
         req = build_request(prompt, **kwargs)
-        md = _with_trace_context(metadata or self.metadata)
+        md = _with_trace_context(_auth_metadata(self.api_key, metadata or self.metadata))
         try:
             for msg in self.stub.GenerateStream(req, timeout=timeout or self.timeout,
                                                 metadata=md):
@@ -264,12 +264,12 @@ class AsyncClient:
             if creds else grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.timeout, self.retries = timeout, retries
-        self.metadata = _auth_metadata(api_key, metadata)
+        self.metadata, self.api_key = metadata, api_key
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        metadata=None, **kwargs) -> Completion:
         req = build_request(prompt, **kwargs)
-        md = _with_trace_context(metadata or self.metadata)
+        md = _with_trace_context(_auth_metadata(self.api_key, metadata or self.metadata))
         for attempt in range(self.retries + 1):
             try:
                 return _completion(await self.stub.Generate(
@@ -283,7 +283,7 @@ class AsyncClient:
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None,
                      metadata=None, **kwargs) -> AsyncIterator[Chunk]:
         req = build_request(prompt, **kwargs)
-        md = _with_trace_context(metadata or self.metadata)
+        md = _with_trace_context(_auth_metadata(self.api_key, metadata or self.metadata))
         try:
             async for msg in self.stub.GenerateStream(req, timeout=timeout or self.timeout,
                                                       metadata=md):

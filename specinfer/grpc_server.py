@@ -21,15 +21,25 @@ from specinfer.net import GRPC_OPTIONS
 log = logging.getLogger(__name__)
 
 
+MAX_DETAILS = 2048  # characters of an error message sent: it may quote a client's input
+
+
+def _details(exc: Exception) -> str:
+    """The error's message, cut short: gRPC drops a status whose details pass its metadata
+    limit (16 KiB) and answers RESOURCE_EXHAUSTED instead, losing the code and the field."""
+    text = str(exc)
+    return text if len(text) <= MAX_DETAILS else text[:MAX_DETAILS] + "... (cut)"
+
+
 async def abort_on_error(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     """Turn a service error (or a ValueError from validation) into its gRPC status."""
     if isinstance(exc, ServiceError):
         retry_after = getattr(exc, "retry_after_s", None)
         if retry_after is not None:
             context.set_trailing_metadata((("retry-after", str(math.ceil(retry_after))),))
-        await context.abort(exc.grpc_code, str(exc))
+        await context.abort(exc.grpc_code, _details(exc))
     if isinstance(exc, ValueError):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(exc))
     log.exception("internal error", exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 

@@ -18,6 +18,7 @@ import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi import checks as openapi_checks
 from servers import free_port, wait_serving
@@ -61,13 +62,14 @@ def api(stack):
 
 
 def accepts_valid_requests(ctx, response, case) -> bool | None:
-    """schemathesis' positive_data_acceptance, less the one refusal a schema cannot
-    foresee: a prompt longer than the context in tokens (a string's token count)."""
+    """schemathesis' positive_data_acceptance, less the refusals a schema cannot foresee:
+    a prompt longer than the context in tokens, or text that tokenizes to nothing."""
     if case.meta is None or not case.meta.generation.mode.is_positive:
         return None
     if response.status_code == 400:
         error = response.json()["error"]
-        if error["param"] in ("prompt", "messages") and "tokens" in error["message"]:
+        if error["param"] in ("prompt", "messages") and any(
+                s in error["message"] for s in ("tokens", "tokenizes to nothing")):
             return True
     assert response.status_code < 400 or response.status_code == 429, \
         f"a schema-valid request was refused: {response.status_code} {response.text[:500]}"
@@ -130,6 +132,48 @@ def test_declared_refusals_conform(stack, api):
         assert response.status_code == status, response.text
         case.validate_response(response, checks=CHECKS[:5])
         assert response.json()["error"]["message"]
+
+
+def _raw_bodies() -> st.SearchStrategy[bytes]:
+    """Bodies no schema generates: bytes, broken or odd JSON (deep nesting, numbers past
+    any float or past Python's 4300 digits, NaN, lone surrogates), valid JSON of the wrong
+    shape."""
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+            st.sampled_from(["prompt", "messages", "n", "max_tokens", "stop", "logit_bias",
+                             "seed", "temperature", "stream", "user", "x"]), inner,
+            max_size=4), max_leaves=12)
+    return st.one_of(
+        st.binary(max_size=256),
+        json_values.map(lambda v: json.dumps(v).encode()),
+        st.builds(lambda key, n: b'{"%s": %s}' % (key.encode(), n.encode()),
+                  st.sampled_from(["n", "max_tokens", "seed", "temperature", "top_k"]),
+                  st.sampled_from(["1" + "0" * 400, "1" + "0" * 5000, "NaN", "-Infinity",
+                                   "1e999", "-0", "2.0"])),
+        st.builds(lambda depth: b'{"prompt": "x", "user": ' + b"[" * depth + b"]" * depth
+                  + b"}", st.integers(100, 5000)),
+        st.just(b'{"prompt": "\\ud800", "max_tokens": 1}'),
+        st.just(b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 1}'))
+
+
+def test_raw_bodies_get_openai_errors(stack):
+    """Anything in a POST body: a 4xx with OpenAI's error object naming the field, or 200."""
+    session = requests.Session()
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(body=_raw_bodies(), path=st.sampled_from(["/v1/completions",
+                                                     "/v1/chat/completions"]))
+    def fuzz(body, path):
+        response = session.post(stack["url"] + path, data=body, timeout=120,
+                                headers={**AUTH, "Content-Type": "application/json"})
+        assert response.status_code < 500, response.text[:500]
+        if response.status_code != 200:
+            error = response.json()["error"]
+            assert error["message"] and error["type"] == "invalid_request_error", error
+
+    fuzz()
 
 
 def _complete(stack, path: str, body: dict) -> dict:

@@ -142,3 +142,44 @@ def test_verifier_refuses_a_head_share_outside_its_tree_budget(capsys):
     for value in ("0", "65"):  # --max-tree-nodes defaults to 64
         assert main(["serve", "verifier", "--head-nodes", value]) == 2
         assert "--head-nodes" in capsys.readouterr().err
+
+
+def test_speculate_is_unavailable_until_the_ssms_are_loaded(tiny_chat_llm):
+    """From the moment it listens until its SSMs are loaded, Speculate answers UNAVAILABLE
+    with a message (not an internal error); then it drafts."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from servers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "services", "serve", "speculator", "--llm",
+                             tiny_chat_llm, "--ssm", f"{tiny_chat_llm}#layers=1", "--port",
+                             str(port), "--datastore", "none", "--max-context", "64"],
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = speculator_pb2_grpc.SpeculatorStub(channel)
+    request = speculator_pb2.SpeculateRequest(items=[speculator_pb2.SpeculateItem(
+        sequence_id="x", context=[5, 6, 7, 5, 6], tree=speculator_pb2.TreeConfig(max_nodes=4))])
+    refusals, reply = [], None
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Speculate(request, timeout=5)
+                break
+            except grpc.RpcError as exc:
+                refusals.append((exc.code(), exc.details()))
+            time.sleep(0.02)
+        assert reply is not None and reply.results[0].sequence_id == "x"
+        assert {code for code, _ in refusals} <= {grpc.StatusCode.UNAVAILABLE}, refusals
+        assert all(details for _, details in refusals)
+        # Not only refused connections: the service itself answered while loading.
+        assert any("loading" in details for _, details in refusals), refusals
+    finally:
+        channel.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -12,6 +12,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from jinja2.exceptions import TemplateError
+
 from services.router.limits import Limits
 from services.router.request import GenRequest
 from specinfer.chat import chat_ids
@@ -56,7 +58,12 @@ class Frontend:
                 raise InvalidArgument(f"messages[{i}].role", "must be system, user or assistant")
             if not isinstance(m.get("content"), str):
                 raise InvalidArgument(f"messages[{i}].content", "must be a string")
-        return chat_ids(self.tokenizer, messages)
+            _unicode(f"messages[{i}].content", m["content"])
+        try:  # the template sees role and content only, as from the gRPC API
+            return chat_ids(self.tokenizer, [{"role": m["role"], "content": m["content"]}
+                                             for m in messages])
+        except TemplateError as exc:  # e.g. a template whose roles must alternate
+            raise InvalidArgument("messages", f"refused by the chat template: {exc}") from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -308,7 +315,7 @@ UNSUPPORTED = {
     "reasoning_effort": lambda v: False,
     "web_search_options": lambda v: False,
     "verbosity": lambda v: False,
-    "best_of": lambda v: v == 1,
+    "best_of": lambda v: v == 1 and not isinstance(v, bool),  # (True == 1 in Python)
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
 }
@@ -326,9 +333,10 @@ def _stop(body: dict) -> list[str]:
     if stop is None:
         return []
     if isinstance(stop, str):
-        return [stop]
+        stop = [stop]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
+        # "" would stop before the first token; the gRPC API drops it too.
+        return [_unicode(f"stop[{i}]", s) for i, s in enumerate(stop) if s]
     raise InvalidArgument("stop", "must be a string or a list of strings")
 
 
@@ -361,7 +369,10 @@ def _prompt_ids(fe: Frontend, body: dict) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return fe.encode_prompt(prompt) if prompt else []
+        ids = fe.encode_prompt(_unicode("prompt", prompt)) if prompt else []
+        if prompt and not ids:  # e.g. only control characters the tokenizer drops
+            raise InvalidArgument("prompt", "tokenizes to nothing")
+        return ids
     # JSON integers: 7 and 7.0 alike (as JSON Schema has it), never true/false.
     if isinstance(prompt, list) and all(_integral(t) for t in prompt):
         ids = [int(t) for t in prompt]
@@ -416,4 +427,14 @@ def _user(body: dict) -> str:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidArgument("user", "must be a string")
-    return user or ""
+    return _unicode("user", user or "")
+
+
+def _unicode(field: str, text: str) -> str:
+    """``text``, if UTF-8 can hold it: JSON's escapes can spell lone surrogates
+    (``"\\ud800"``), which the tokenizer, hashing and protobuf all refuse."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument(field, "is not valid Unicode (a lone surrogate)") from None
+    return text

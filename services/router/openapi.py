@@ -255,9 +255,39 @@ def _response_schemas() -> dict:
                                       "type": "object", "required": ["role", "content"],
                                       "properties": {"role": {"const": "assistant"},
                                                      "content": {"type": "string"}}}}}
+
+    def chunk(obj: str, choice: dict) -> dict:
+        """A streamed chunk: deltas of some choices, or (the last) none and the usage."""
+        return {"type": "object", "required": ["id", "object", "created", "model", "choices"],
+                "properties": {"id": {"type": "string"}, "object": {"const": obj},
+                               "created": {"type": "integer"}, "model": {"type": "string"},
+                               "choices": {"type": "array", "items": choice}, "usage": usage}}
+
+    def events(name: str) -> dict:
+        """One server-sent event: a chunk, an error (then the stream ends), or [DONE]."""
+        ref = "#/components/schemas/"
+        return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+            {"const": "[DONE]"},
+            {"type": "string", "contentMediaType": "application/json",
+             "contentSchema": {"anyOf": [{"$ref": ref + name}, {"$ref": ref + "Error"}]}},
+        ]}}}
+
+    streaming = {"enum": ["stop", "length", None]}
+    text_delta = {**text_choice, "properties": {**text_choice["properties"],
+                                                "finish_reason": streaming}}
+    chat_delta = {"type": "object", "required": ["index", "delta", "finish_reason", "logprobs"],
+                  "properties": {"index": nonneg, "finish_reason": streaming,
+                                 "logprobs": chat_logprobs, "delta": {
+                                     "type": "object",
+                                     "properties": {"role": {"const": "assistant"},
+                                                    "content": {"type": "string"}}}}}
     return {
         "Completion": completion("text_completion", text_choice),
         "ChatCompletion": completion("chat.completion", chat_choice),
+        "CompletionChunk": chunk("text_completion", text_delta),
+        "ChatCompletionChunk": chunk("chat.completion.chunk", chat_delta),
+        "CompletionEvent": events("CompletionChunk"),
+        "ChatCompletionEvent": events("ChatCompletionChunk"),
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
             "object": {"const": "list"}, "data": {"type": "array", "items": {
                 "type": "object", "required": ["id", "object", "created", "owned_by"],
@@ -279,7 +309,8 @@ def _generate_operation(summary: str, request: str, response: str, errors: dict)
                                    "(data: chunk JSON per delta, a usage chunk, an error event "
                                    "if generation fails, then data: [DONE]).",
                     "content": {"application/json": {"schema": {"$ref": ref + response}},
-                                "text/event-stream": {"schema": {"type": "string"}}}},
+                                "text/event-stream": {"schema": {
+                                    "$ref": ref + response + "Event"}}}},
             **errors,
         },
     }

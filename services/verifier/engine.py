@@ -294,6 +294,8 @@ class VerifierEngine:
         ``shadow_nodes`` entry is positive also gets, unverified, the model-free tree of at
         most that many nodes for its next step."""
         self._check_unique([sid for sid, _, _ in items])
+        if not items:  # an empty batch: nothing to run (a forward of none would fail)
+            return []
         draft_nodes = draft_nodes or [0] * len(items)
         shadow_nodes = shadow_nodes or [0] * len(items)
         draft_head = draft_head or [False] * len(items)

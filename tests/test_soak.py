@@ -1,0 +1,49 @@
+"""A one-minute soak (bench/soak.py) of `specinfer up` on the tiny models: every request
+is answered once, completely or with the status its kind expects; the verifier's KV slots
+are all free at the end; no service died; memory does not climb."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Generous: a minute is mostly warm-up (the verifier grew up to ~50 MiB/min in its first
+# minute, ~11 MiB/min over five, decelerating); a leaked KV slot or logits row per request
+# (~300 KiB / 200 KiB, ~12 requests a second here) would climb 140-200 MiB/min or more.
+SLOPE_MIB_PER_MIN = 100.0
+
+
+def test_one_minute_soak_loses_nothing(tiny_chat_llm, tmp_path):
+    out = tmp_path / "soak"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "1", "--llm",
+         tiny_chat_llm, "--ssm", f"{tiny_chat_llm}#layers=1", "--datastore", "none",
+         "--draft-head", "none", "--slots", "8", "--max-context", "512", "--out", str(out)],
+        capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert (out / "soak.json").exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((out / "soak.json").read_text())
+    assert report["checks"] == {
+        "every request answered once": True, "every outcome as expected": True,
+        "verifier slots free at the end": True, "no service died but those killed": True,
+        "up stopped cleanly": True}, report["unexpected"]
+    assert run.returncode == 0 and report["passed"]
+    outcomes = report["outcomes"]
+    assert report["requests"] > 100 and report["unexpected_count"] == 0
+    assert not report["lost_in_flight"] and report["up_exit_code"] == 0
+    assert set(report["live_sequences_at_end"].values()) == {0}
+    # The mix ran: completions of every good kind, refusals of every bad one.
+    for kind in ("stream", "unary", "sampled", "http"):
+        assert outcomes[kind].get("complete", 0) > 0, (kind, outcomes[kind])
+    assert outcomes["cancel"].get("cancelled", 0) > 0
+    assert set(outcomes["bad"]) == {"invalid_argument"}
+    assert set(outcomes["http_bad"]) == {"invalid_argument"}
+    assert report["speculative_steps"] > 0  # the quiet spell: the router speculated
+    slopes = report["memory_slope_mib_per_min"]
+    assert {name.split("[")[0] for name in slopes} == {"up", "router", "speculator",
+                                                       "verifier"}
+    for name, slope in slopes.items():
+        assert slope is not None and abs(slope) < SLOPE_MIB_PER_MIN, (name, slope)
+    assert (out / "memory.png").stat().st_size > 0
