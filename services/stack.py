@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.router.policy import SPECULATION_CHOICES
 from specinfer import tracing
 from specinfer.models import DEFAULT_LLM
-from specinfer.net import free_port
+from specinfer.net import GRPC_OPTIONS, free_port
 from specinfer.placement import add_flags as add_placement_flags
 from specinfer.placement import from_flags
 
@@ -63,8 +63,8 @@ def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float,
                  credentials: grpc.ChannelCredentials | None = None) -> bool:
     """Until ``address`` reports SERVING (True); False as soon as one of ``procs`` exits,
     ``stop()`` turns true, or ``timeout`` seconds pass."""
-    channel = grpc.secure_channel(address, credentials) if credentials \
-        else grpc.insecure_channel(address)
+    channel = grpc.secure_channel(address, credentials, options=GRPC_OPTIONS) if credentials \
+        else grpc.insecure_channel(address, options=GRPC_OPTIONS)  # reconnect waits capped
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout
     try:

@@ -21,14 +21,18 @@ from specinfer.net import GRPC_OPTIONS
 log = logging.getLogger(__name__)
 
 
-MAX_DETAILS = 2048  # characters of an error message sent: it may quote a client's input
+MAX_DETAILS = 2000  # UTF-8 bytes of an error message sent: it may quote a client's input
 
 
 def _details(exc: Exception) -> str:
-    """The error's message, cut short: gRPC drops a status whose details pass its metadata
-    limit (16 KiB) and answers RESOURCE_EXHAUSTED instead, losing the code and the field."""
+    """The error's message, cut short: gRPC drops a status whose details (percent-encoded,
+    up to 3 bytes per byte) pass its metadata limits (8 KiB soft, 16 KiB hard) and answers
+    RESOURCE_EXHAUSTED instead, losing the code and the field."""
     text = str(exc)
-    return text if len(text) <= MAX_DETAILS else text[:MAX_DETAILS] + "... (cut)"
+    data = text.encode()
+    if len(data) <= MAX_DETAILS:
+        return text
+    return data[:MAX_DETAILS].decode(errors="ignore") + "... (cut)"
 
 
 async def abort_on_error(context: grpc.aio.ServicerContext, exc: Exception) -> None:

@@ -130,10 +130,24 @@ def _scalar(field: descriptor.FieldDescriptor) -> st.SearchStrategy:
     raise NotImplementedError(field.type)
 
 
-def _many(element: st.SearchStrategy, big: int) -> st.SearchStrategy[list]:
-    """A few elements, or one element repeated up to ``big`` times."""
-    return st.one_of(st.lists(element, max_size=6),
-                     st.builds(lambda v, n: [v] * n, element, st.integers(100, big)))
+LIST_BYTES = 8 << 20  # a huge repeated field: up to ~8 MiB (past gRPC's 4 MiB limit)
+
+
+def _size(value) -> int:
+    if isinstance(value, str):
+        return len(value.encode()) + 2
+    return value.ByteSize() + 2 if hasattr(value, "ByteSize") else 10
+
+
+@st.composite
+def _many(draw, element: st.SearchStrategy, big: int) -> list:
+    """A few elements, or sometimes the first one repeated up to ``big`` times (and
+    ``LIST_BYTES`` in all: the copies of nested huge fields would multiply)."""
+    values = draw(st.lists(element, max_size=6))
+    repeat = draw(st.integers(100, big)) if draw(st.integers(0, 3)) == 0 else 0
+    if values and repeat:
+        values = [values[0]] * max(1, min(repeat, LIST_BYTES // _size(values[0])))
+    return values
 
 
 def _is_map(field: descriptor.FieldDescriptor) -> bool:

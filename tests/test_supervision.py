@@ -2,7 +2,8 @@
 each kind of service is killed (SIGKILL) while streams run; every stream completes with the
 greedy output taken before any fault (a killed router: the client retries, as the SDK does
 on UNAVAILABLE), and `up` has the service serving again, on the same port. A speculator
-that stops answering (SIGSTOP) holds no step past the router's --speculate-timeout.
+that stops answering (SIGSTOP) holds no step past the router's --speculate-timeout; a
+verifier that stalls past a step's timeout is failed over and taken back.
 
 One stack of tiny models for the whole file; the tests run in order (each leaves the stack
 serving)."""
@@ -23,8 +24,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers import free_port, wait_serving
 
+from services.router.request import GenRequest
+from services.router.scheduler import Scheduler
 from services.stack import Supervised, Supervisor, service_processes
 from specinfer.client import AsyncClient, Client, UnavailableError
+from specinfer.sampling import SamplingParams
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of",
            "1, 2, 3, 4,"]
@@ -187,6 +191,51 @@ def test_a_killed_single_verifier_is_restarted_and_its_streams_resume(up, refere
     assert late == reference[PROMPTS[3]]
     assert the(up, "verifier")[1] == addr and serving(addr)
     assert restart_logged(up, "verifier")["exit_code"] == -signal.SIGKILL
+
+
+def test_a_verifier_stalled_past_a_step_timeout_gets_its_sequences_back(up):
+    """A verifier that stops answering (SIGSTOP) for longer than a step's timeout is failed
+    over and probed; it comes back still holding the sequences whose calls timed out. The
+    router releases them there before prefilling them again (else: "already live"), so the
+    stream completes with the same tokens. The router runs in this process (its step
+    timeout is not a flag), against the stack's verifier."""
+    pid, addr = the(up, "verifier")
+
+    async def tokens(req: GenRequest) -> list[int]:
+        out = []
+        while True:
+            kind, payload = await req.events.get()
+            if kind == "error":
+                raise payload
+            if kind == "done":
+                return out
+            out += payload
+
+    async def main() -> tuple[list[int], list[int]]:
+        scheduler = Scheduler([addr], [], eos_ids=[], step_timeout_s=1.0)
+        await scheduler.start()
+        try:
+            want = GenRequest([1, 2, 3, 4], 100, SamplingParams())
+            scheduler.submit(want)
+            want = await tokens(want)
+            req = GenRequest([1, 2, 3, 4], 100, SamplingParams())
+            scheduler.submit(req)
+            got = asyncio.create_task(tokens(req))
+            while not req.generated:
+                await asyncio.sleep(0.01)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(2.5)
+                assert not req.finish_reason
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            return want, await asyncio.wait_for(got, 60)
+        finally:
+            await scheduler.close()
+
+    want, got = asyncio.run(main())
+    assert got == want and len(got) == 100
+    assert the(up, "verifier") == (pid, addr)  # stalled, not restarted
 
 
 def test_a_killed_router_is_restarted_and_clients_reconnect(up, reference):

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 class ReplicaSet:
     def __init__(self, addresses: list[str], metrics: RouterMetrics,
-                 probe_every_s: float = 5.0, tls: TlsConfig | None = None) -> None:
+                 probe_every_s: float = 1.0, tls: TlsConfig | None = None) -> None:
         self.replicas = []
         for address in addresses:
             channel = internal_channel(address, tls)
@@ -33,6 +33,8 @@ class ReplicaSet:
             self.replicas.append(replica)
             metrics.replica("verifier", address, lambda r=replica: r.healthy)
         self.metrics = metrics
+        # A down replica's sequences wait for it (the only one, or all down): an Info call a
+        # second is cheap, and they resume within a second of it being back.
         self.probe_every_s = probe_every_s
 
     async def start(self) -> verifier_pb2.InfoResponse:
@@ -92,7 +94,11 @@ class ReplicaSet:
             log.info("release failed", extra={"replica": replica.address,
                                               "error": exc.code().name})
 
-    def mark_down(self, replica: Replica, exc: Exception) -> None:
+    def mark_down(self, replica: Replica, exc: Exception, sequence_ids: list[str]) -> None:
+        """``sequence_ids``: this router's sequences whose call failed there; if the replica
+        did not die (it stalled past a step's timeout), they are still live on it and are
+        released before it is used again (their re-prefill would be refused)."""
+        replica.stale.update(sequence_ids)
         if not replica.healthy:
             return  # already failed over, and probed until it is back
         log.warning("verifier replica failed; failing over",
@@ -105,6 +111,11 @@ class ReplicaSet:
         async def check() -> None:
             try:
                 await replica.rpc.Info(verifier_pb2.InfoRequest(), timeout=2)
+                stale = sorted(replica.stale)
+                if stale:  # unknown ids (it restarted) are fine
+                    await replica.rpc.Release(verifier_pb2.ReleaseRequest(sequence_ids=stale),
+                                              timeout=5)
+                    replica.stale.difference_update(stale)
                 replica.healthy, replica.live = True, 0
                 log.info("verifier replica back", extra={"replica": replica.address})
             except grpc.aio.AioRpcError:

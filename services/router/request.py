@@ -29,6 +29,8 @@ class Replica:
     max_tree_nodes: int = 64
     max_context: int = 2048
     has_draft_head: bool = False  # Info.draft_head
+    # Sequences a failed call left behind there, released before it is used again.
+    stale: set[str] = field(default_factory=set)
 
 
 @dataclass

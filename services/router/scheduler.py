@@ -197,7 +197,7 @@ class Scheduler:
                 self.waiting[:0] = reqs
             elif exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                 grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                self.replicas.mark_down(replica, exc)
+                self.replicas.mark_down(replica, exc, [r.id for r in reqs])
                 self.waiting.extend(reqs)
             else:
                 for r in reqs:
@@ -332,7 +332,7 @@ class Scheduler:
                     self._requeue(r)
                 await self.replicas.release(replica, [r.id for r in reqs])
             else:
-                self.replicas.mark_down(replica, exc)
+                self.replicas.mark_down(replica, exc, [r.id for r in reqs])
                 for r in reqs:  # re-prefill elsewhere from the router's history
                     self._requeue(r)
             return
