@@ -20,8 +20,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.router import auth
 from services.router.policy import SPECULATION_CHOICES
-from specinfer import tracing
+from specinfer import tls, tracing
 from specinfer.models import DEFAULT_LLM
 from specinfer.net import GRPC_OPTIONS, free_port
 from specinfer.placement import add_flags as add_placement_flags
@@ -52,6 +53,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the router's budget for one Speculate call (see serve router)")
     add_placement_flags(p)  # the verifiers' and speculators' (validated here, before starting)
     tracing.add_flags(p)  # passed to every service (the OTEL_* environment is inherited)
+    auth.add_flags(p)  # the router's (keys reach it in its environment, not in `ps`)
+    tls.add_flags(p)  # every service's
+    p.add_argument("--tls", action="store_true",
+                   help="a throw-away CA and certificate for a local trial: TLS on both "
+                        "public APIs, mutual TLS between the services (the CA's path is "
+                        "printed, for clients)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="the router serves /metrics on --http-port; with this, the "
                         "verifiers serve theirs on this port and the next ones, then the "
@@ -91,6 +98,7 @@ class Supervised:
     role: str  # verifier, speculator or router
     address: str  # where it listens (gRPC, with the health service)
     cmd: list[str]
+    env: dict[str, str] | None = None  # None: this process's environment
     proc: subprocess.Popen | None = None
     serving_since: float | None = None  # monotonic; None until SERVING after each start
     exited_at: float = 0.0
@@ -99,7 +107,7 @@ class Supervised:
     restarts: int = 0
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd)
+        self.proc = subprocess.Popen(self.cmd, env=self.env)
         self.serving_since, self.restart_at = None, None
 
 
@@ -180,6 +188,11 @@ def run(args: argparse.Namespace) -> int:
                  "--compile", args.compile]
     if args.otlp_traces_endpoint:
         placement += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    tls_flags, credentials = _tls(args)
+    placement += tls_flags
+    keys = auth.ApiKeys.from_flags(args.api_key)  # validated here; passed as the env's
+    router_env = {**os.environ, auth.ENV: ",".join(
+        [*args.api_key, os.environ.get(auth.ENV, "")]).strip(",")} if keys.required else None
     metrics_ports = iter(range(args.metrics_port, args.metrics_port + 1000)
                          if args.metrics_port else [])
     metrics_urls = []
@@ -230,32 +243,61 @@ def run(args: argparse.Namespace) -> int:
         cmd += ["--speculate-timeout", str(args.speculate_timeout)]
     if args.otlp_traces_endpoint:
         cmd += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    cmd += tls_flags + (["--metrics-auth"] if args.metrics_auth else [])
     for v in verifiers:
         cmd += ["--verifier", v]
     for s in speculators:
         cmd += ["--speculator", s]
-    services.append(Supervised("router", router, cmd))
-    supervisor = Supervisor(services)
+    services.append(Supervised("router", router, cmd, env=router_env))
+    supervisor = Supervisor(services, credentials=credentials)
     supervisor.start()
     rc = 0
     try:
         # A service that exits before the stack first serves is a setup error (a bad
         # model, a port in use): stop, rather than restart it forever.
-        if not wait_serving(router, supervisor.procs, timeout=900, stop=lambda: stopping):
+        if not wait_serving(router, supervisor.procs, timeout=900, stop=lambda: stopping,
+                            credentials=credentials):
             if not stopping:
                 print("specinfer up: a service failed to start", file=sys.stderr)
                 rc = 1
         else:
-            print(f"specinfer is serving: gRPC {router}  OpenAI HTTP "
-                  f"http://{args.host}:{args.http_port}/v1  metrics "
-                  f"{' '.join([f'http://{args.host}:{args.http_port}/metrics', *metrics_urls])}"
-                  "  (Ctrl-C stops)", flush=True)
+            web = f"{'https' if credentials else 'http'}://{args.host}:{args.http_port}"
+            print(f"specinfer is serving: gRPC {router}  OpenAI HTTP {web}/v1  metrics "
+                  f"{' '.join([f'{web}/metrics', *metrics_urls])}"
+                  + (f"  TLS CA {args.tls_ca}" if credentials else "")
+                  + (f"  API keys {len(keys)}" if keys.required else "")
+                  + "  (Ctrl-C stops)", flush=True)
         while not stopping and rc == 0:
             supervisor.check()
             time.sleep(0.5)
     finally:
         supervisor.stop()
     return rc
+
+
+def _tls(args: argparse.Namespace) -> tuple[list[str], grpc.ChannelCredentials | None]:
+    """The TLS flags every service gets (``--tls``: from a throw-away CA made now), and the
+    credentials ``up``'s own health checks use (a client certificate for mutual TLS)."""
+    if args.tls:
+        if args.tls_cert or args.tls_key or args.tls_ca:
+            raise tls.TlsError("--tls makes its own certificates: drop --tls-cert/--tls-key/"
+                               "--tls-ca, or --tls")
+        import tempfile
+
+        pki = tls.throwaway_pki(Path(tempfile.mkdtemp(prefix="specinfer-tls-")))
+        args.tls_cert, args.tls_key, args.tls_ca = (str(pki["cert"]), str(pki["key"]),
+                                                    str(pki["ca"]))
+    config = tls.from_flags(args)  # a bad file stops `up` here (exit 2)
+    if config is None:
+        return [], None
+    flags = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
+    if args.tls_ca:
+        flags += ["--tls-ca", args.tls_ca]
+    if args.tls_server_name:
+        flags += ["--tls-server-name", args.tls_server_name]
+    # Our health checks: trust the CA (or, without one, the system's roots) and present
+    # the stack's certificate, which a mutual-TLS verifier asks for.
+    return flags, grpc.ssl_channel_credentials(config.ca, config.key, config.cert)
 
 
 def service_processes(up_pid: int) -> list[tuple[str, int, str]]:

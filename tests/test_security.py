@@ -300,3 +300,48 @@ def test_key_streams_count_and_free():
         with streams.hold("other", 3):
             pass
     assert not streams.live
+
+
+def test_up_with_tls_and_a_key(tiny_chat_llm, tmp_path):
+    """`specinfer up --tls --api-key K`: a throw-away CA, TLS on the public API, mutual TLS
+    inside; the key reaches the router in its environment, not on any command line."""
+    import signal
+
+    from services.stack import service_processes
+
+    port, http = free_port(), free_port()
+    key = "sk-up-test-4242"
+    out = tmp_path / "up.out"
+    with open(out, "w") as stdout:
+        up = subprocess.Popen([sys.executable, "-m", "services", "up", "--llm", tiny_chat_llm,
+                               "--ssm", f"{tiny_chat_llm}#layers=1", "--datastore", "none",
+                               "--draft-head", "none", "--slots", "4", "--max-context", "512",
+                               "--port", str(port), "--http-port", str(http), "--tls",
+                               "--api-key", key, "--speculation", "always"],
+                              stdout=stdout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        while "specinfer is serving" not in out.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.5)
+        line = out.read_text()
+        assert "https://" in line
+        ca = line.split("TLS CA ")[1].split()[0]
+        with Client(f"127.0.0.1:{port}", tls_ca=ca, api_key=key, retries=0) as c:
+            spec = c.generate("The quick brown fox", max_tokens=12)
+            plain = c.generate("The quick brown fox", max_tokens=12, speculation=False)
+        assert spec.token_ids == plain.token_ids and spec.stats.speculative_steps > 0
+        with Client(f"127.0.0.1:{port}", tls_ca=ca, api_key="", retries=0) as c, \
+                pytest.raises(AuthenticationError):
+            c.generate("Hi", max_tokens=2)
+        with Client(f"127.0.0.1:{port}", retries=0, timeout=5) as c, \
+                pytest.raises(Exception, match="UNAVAILABLE"):  # plaintext is refused
+            c.generate("Hi", max_tokens=2)
+        roles = service_processes(up.pid)
+        assert {r for r, _, _ in roles} == {"router", "speculator", "verifier"}
+        for _, pid, _ in roles:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert key.encode() not in f.read()
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
