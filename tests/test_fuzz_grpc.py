@@ -37,7 +37,7 @@ from specinfer.v1 import (
     verifier_pb2_grpc,
 )
 
-EXAMPLES = int(os.environ.get("SPECINFER_FUZZ_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("SPECINFER_FUZZ_EXAMPLES", "100"))
 MAX_CONTEXT = 96  # keeps every generation short, whatever max_tokens says
 TIMEOUT_S = 30.0  # any call past this is a hang
 LIVE = ("live-0", "live-1")  # the fuzzed verifier's sequences the test keeps alive

@@ -25,7 +25,7 @@ from servers import free_port, wait_serving
 
 from services.stack import stop_processes
 
-EXAMPLES = int(os.environ.get("SPECINFER_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("SPECINFER_FUZZ_EXAMPLES", "50"))
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_CONTEXT = 128  # every generation ends within ~127 tokens, whatever max_tokens says
