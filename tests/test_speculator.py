@@ -183,3 +183,18 @@ def test_speculate_is_unavailable_until_the_ssms_are_loaded(tiny_chat_llm):
         channel.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_a_speculate_call_holds_at_most_max_items_sequences():
+    from services.speculator.server import MAX_ITEMS, specs_from_proto
+    from specinfer.errors import InvalidArgument
+    from specinfer.v1 import speculator_pb2
+
+    def request(n: int) -> speculator_pb2.SpeculateRequest:
+        return speculator_pb2.SpeculateRequest(items=[
+            speculator_pb2.SpeculateItem(sequence_id=f"s{i}", context=[1, 2])
+            for i in range(n)])
+
+    assert len(specs_from_proto(request(MAX_ITEMS))) == MAX_ITEMS
+    with pytest.raises(InvalidArgument, match="items"):
+        specs_from_proto(request(MAX_ITEMS + 1))

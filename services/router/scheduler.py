@@ -171,10 +171,20 @@ class Scheduler:
 
     async def _prefill(self, reqs: list[GenRequest]) -> None:
         replica = reqs[0].replica
-        items = [verifier_pb2.PrefillItem(sequence_id=r.id, token_ids=r.history,
-                                          sampling=sampling_to_proto(r.params),
-                                          session_id=r.session_id,
-                                          prompt_length=len(r.prompt_ids)) for r in reqs]
+        items, ok = [], []
+        for r in reqs:
+            try:
+                items.append(verifier_pb2.PrefillItem(
+                    sequence_id=r.id, token_ids=r.history, sampling=sampling_to_proto(r.params),
+                    session_id=r.session_id, prompt_length=len(r.prompt_ids)))
+                ok.append(r)
+            except (ValueError, TypeError) as exc:  # fails alone, never blocks the queue
+                log.warning("request cannot be sent to a verifier", extra={
+                    "sequence": r.id, "error": str(exc)[:200]})
+                self._fail(r, ServiceError(f"request could not be encoded: {type(exc).__name__}"))
+        reqs = ok
+        if not reqs:
+            return
         started = time.monotonic()
         try:
             with tracing.batch_span("Prefill", [r.span for r in reqs], {

@@ -13,6 +13,7 @@ from opentelemetry import trace
 from services.speculator.engine import SpeculateSpec, SpeculatorEngine
 from services.speculator.metrics import SpeculatorMetrics
 from specinfer import tracing
+from specinfer.errors import InvalidArgument
 from specinfer.grpc_server import abort_on_error, serve_engine
 from specinfer.v1 import speculator_pb2, speculator_pb2_grpc
 from specinfer.wire import sampling_from_proto, tree_to_proto
@@ -20,7 +21,13 @@ from specinfer.wire import sampling_from_proto, tree_to_proto
 log = logging.getLogger(__name__)
 
 
+MAX_ITEMS = 1024  # sequences per Speculate call: a router's batch is far smaller
+
+
 def specs_from_proto(request: speculator_pb2.SpeculateRequest) -> list[SpeculateSpec]:
+    if len(request.items) > MAX_ITEMS:  # one call must not hold the worker for minutes
+        raise InvalidArgument("items", f"{len(request.items)} sequences; at most {MAX_ITEMS} "
+                              "per call")
     specs = []
     for i, item in enumerate(request.items):
         params = sampling_from_proto(item.sampling, f"items[{i}].sampling")
@@ -47,7 +54,7 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
             trees, seconds = await asyncio.get_running_loop().run_in_executor(
                 self.pool, self._speculate, request)
         except Exception as exc:
-            log.info("request failed", extra={"method": "Speculate", "error": str(exc)})
+            log.info("request failed", extra={"method": "Speculate", "error": str(exc)[:300]})
             await abort_on_error(context, exc)
         nodes = sum(len(t.tokens) for t in trees)
         budget = max((item.tree.max_nodes for item in request.items), default=0)

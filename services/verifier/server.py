@@ -61,7 +61,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except Exception as exc:  # mapped to a status; the service keeps serving
             # A full cache is routine under load (routers retry until slots free up).
             log.log(logging.DEBUG if isinstance(exc, ResourceExhausted) else logging.INFO,
-                    "request failed", extra={"method": method, "error": str(exc)})
+                    "request failed", extra={"method": method, "error": str(exc)[:300]})
             await abort_on_error(context, exc)
         log.debug("done", extra={"method": method, "ms": seconds * 1e3})
         return result, seconds
