@@ -22,13 +22,13 @@ import time
 from collections.abc import Callable
 
 import grpc
-from opentelemetry.trace import Status, StatusCode
 
 from services.router.drafting import SpeculatorPool, Trees, together
 from services.router.metrics import RouterMetrics
 from services.router.policy import SPECULATION_CHOICES, SpeculationMode, SpeculationPolicy
 from services.router.replicas import ReplicaSet
 from services.router.request import GenRequest, hop_timeout
+from services.router.request_span import close_request_span, open_request_span
 from specinfer import tracing
 from specinfer.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceError
 from specinfer.tls import TlsConfig
@@ -102,8 +102,7 @@ class Scheduler:
             raise ResourceExhausted(f"{len(self.waiting)} requests already queued; retry later",
                                     retry_after_s=1)
         req.queued_at = time.monotonic()
-        req.span = tracing.request_span(f"{req.operation} {self.metrics.model_name}".strip(),
-                                        _request_attributes(req, self.metrics.model_name))
+        open_request_span(req, self.metrics.model_name)
         self.waiting.append(req)
         self.wake.set()
 
@@ -461,29 +460,7 @@ class Scheduler:
             return
         req.ended = True
         self.metrics.ended(req, reason, time.monotonic())
-        span = req.span
-        if not span.is_recording():
-            return
-        steps = req.accepted_per_step
-        span.set_attributes({
-            "gen_ai.usage.input_tokens": len(req.prompt_ids),
-            "gen_ai.usage.output_tokens": len(req.generated),
-            "gen_ai.response.finish_reasons": [reason],
-            "specinfer.steps": len(steps),
-            "specinfer.mean_accepted_tokens_per_step": sum(steps) / len(steps) if steps else 0.0,
-            "specinfer.speculative_steps": req.speculative_steps,
-            "specinfer.drafted_tokens": req.drafted,
-            "specinfer.speculate_seconds": req.speculate_s,
-            "specinfer.verify_seconds": req.verify_s,
-            "specinfer.cached_prompt_tokens": req.reused_tokens,
-        })
-        if req.first_token_at:
-            span.set_attribute("specinfer.time_to_first_token_seconds",
-                               req.first_token_at - req.created)
-        if exc is not None:
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
-        span.end()
+        close_request_span(req, reason, exc)
 
 
 def _client_deadline_passed(exc: grpc.aio.AioRpcError, reqs: list[GenRequest]) -> bool:
@@ -491,19 +468,6 @@ def _client_deadline_passed(exc: grpc.aio.AioRpcError, reqs: list[GenRequest]) -
     replica is dead."""
     return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and any(
         r.deadline_passed() for r in reqs)
-
-
-def _request_attributes(req: GenRequest, model: str) -> dict:
-    """A request span's opening attributes: OpenTelemetry's gen_ai.* names, and ours."""
-    params = req.params
-    attributes = {"gen_ai.operation.name": req.operation, "gen_ai.request.model": model,
-                  "gen_ai.request.max_tokens": req.max_tokens,
-                  "gen_ai.request.temperature": params.temperature,
-                  "gen_ai.request.top_p": params.top_p, "gen_ai.request.top_k": params.top_k,
-                  "specinfer.sequence_id": req.id, "specinfer.speculation": req.speculation}
-    if params.seed is not None and params.seed < 2**63:  # OTLP integers are 64-bit signed
-        attributes["gen_ai.request.seed"] = params.seed
-    return attributes
 
 
 def _logprobs(result) -> list[common_pb2.TokenLogprob]:
