@@ -23,7 +23,6 @@ from specinfer.v1 import router_pb2
 from specinfer.wire import sampling_from_proto, sampling_on_the_wire
 
 MAX_TOKENS_LIMIT = 1 << 20
-MAX_CHOICES = 8
 
 
 def _byte_level_alphabet() -> dict[str, int]:
