@@ -140,7 +140,11 @@ class Service:
         log.info("serving", extra={"role": self.name})
 
     async def run_until_signal(self, grace_s: float = 10.0,
-                               on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+                               on_stop: Callable[[], Awaitable[None]] | None = None,
+                               drain: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Serve until SIGTERM/SIGINT; then report NOT_SERVING, ``drain()`` (still serving
+        calls: e.g. until clients have moved their work elsewhere), stop accepting calls
+        and give those in flight ``grace_s``, then ``on_stop()``."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -148,6 +152,8 @@ class Service:
         await stop.wait()
         log.info("stopping: NOT_SERVING, draining in-flight requests", extra={"grace_s": grace_s})
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if drain is not None:
+            await drain()
         await self.server.stop(grace_s)
         if on_stop is not None:
             await on_stop()
@@ -157,10 +163,12 @@ class Service:
 
 async def serve_engine(name: str, servicer, register, full_name: str, build, host: str,
                        port: int, grace_s: float = 10.0, close=None, healthy=None,
-                       credentials: grpc.ServerCredentials | None = None) -> None:
+                       credentials: grpc.ServerCredentials | None = None,
+                       drain: Callable[[], Awaitable[None]] | None = None) -> None:
     """Run a service whose ``servicer`` holds an ``engine`` built by ``build()`` on its
     single worker thread (``servicer.pool``): listen at once (NOT_SERVING), build, report
-    SERVING, run until SIGTERM/SIGINT, then ``close(engine)`` on the worker thread. With
+    SERVING, run until SIGTERM/SIGINT (then ``drain()`` while NOT_SERVING, see
+    ``Service.run_until_signal``), then ``close(engine)`` on the worker thread. With
     ``healthy(engine)`` (read every second off the worker thread), the first False turns
     health to NOT_SERVING for good."""
     service = Service(name, host, port, credentials)
@@ -184,7 +192,7 @@ async def serve_engine(name: str, servicer, register, full_name: str, build, hos
             await loop.run_in_executor(servicer.pool, close, servicer.engine)
 
     try:
-        await service.run_until_signal(grace_s, on_stop=stop)
+        await service.run_until_signal(grace_s, on_stop=stop, drain=drain)
     finally:
         if watcher is not None:
             watcher.cancel()

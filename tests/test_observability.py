@@ -24,7 +24,7 @@ from services.stack import stop_processes
 from specinfer.client import Client
 
 ROOT = Path(__file__).resolve().parents[1]
-DASHBOARD = ROOT / "deploy" / "grafana" / "specinfer.json"
+DASHBOARD = ROOT / "deploy" / "helm" / "specinfer" / "dashboards" / "specinfer.json"
 
 
 @pytest.fixture(scope="module")

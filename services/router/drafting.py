@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -41,6 +44,14 @@ async def together(*steps: Awaitable) -> list:
     return results
 
 
+@dataclass
+class Speculator:
+    address: str
+    channel: grpc.aio.Channel
+    rpc: speculator_pb2_grpc.SpeculatorStub
+    down_until: float = 0.0  # skipped until then (it failed)
+
+
 class SpeculatorPool:
     """The router's side of the speculator pool (and of drafting in general: node
     budgets, the overlapped step)."""
@@ -49,13 +60,11 @@ class SpeculatorPool:
                  expansion: list[int] | None = None, max_nodes: int = 0,
                  timeout_s: float = 10.0, step_timeout_s: float = 60.0,
                  down_for_s: float = 5.0, tls: TlsConfig | None = None) -> None:
-        self.channels = [internal_channel(a, tls) for a in speculators]
-        self.clients = [speculator_pb2_grpc.SpeculatorStub(c) for c in self.channels]
-        self.down_until = [0.0] * len(speculators)
-        for i, address in enumerate(speculators):
-            metrics.replica("speculator", address,
-                            lambda i=i: self.down_until[i] <= time.monotonic())
         self.metrics = metrics
+        self.tls = tls
+        self.members: dict[str, Speculator] = {}
+        self._checks: dict[str, asyncio.Future] = {}
+        self.update(frozenset(speculators))
         self.expansion = expansion or []  # [] = the speculator's default
         self.max_nodes = max_nodes  # 0 = each replica's max_tree_nodes
         self.timeout_s = timeout_s
@@ -66,22 +75,53 @@ class SpeculatorPool:
         # budget, tree).
         self.prefetched: dict[str, tuple[int, int, common_pb2.TokenTree]] = {}
 
+    def update(self, addresses: frozenset[str]) -> None:
+        """The pool is now ``addresses`` (from service discovery)."""
+        for address in sorted(addresses - self.members.keys()):
+            channel = internal_channel(address, self.tls)
+            member = Speculator(address, channel, speculator_pb2_grpc.SpeculatorStub(channel),
+                                down_until=math.inf)  # until it reports SERVING
+            self.members[address] = member
+            self.metrics.replica("speculator", address,
+                                 lambda m=member: m.down_until <= time.monotonic())
+            self._checks[address] = asyncio.ensure_future(self._until_serving(member))
+            log.info("speculator added", extra={"speculator": address})
+        for address in sorted(self.members.keys() - addresses):
+            member = self.members.pop(address)
+            self._checks.pop(address).cancel()
+            self.metrics.forget_replica("speculator", address)
+            # A call in flight on it ends with it; close once that had time to finish.
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing in flight
+                asyncio.get_running_loop().call_later(
+                    self.timeout_s + 1, lambda c=member.channel: asyncio.ensure_future(c.close()))
+            log.info("speculator removed", extra={"speculator": address})
+
+    def available(self) -> bool:
+        return bool(self.members)
+
+    async def _until_serving(self, member: Speculator, warn_after_s: float = 180.0) -> None:
+        """Use a speculator once its health reports SERVING (it may be loading SSMs or
+        building its datastore)."""
+        started = time.monotonic()
+        while True:
+            with contextlib.suppress(grpc.aio.AioRpcError):  # not listening yet
+                reply = await health_pb2_grpc.HealthStub(member.channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    member.down_until = 0.0
+                    log.info("speculator serving", extra={"speculator": member.address})
+                    return
+            if started is not None and time.monotonic() - started > warn_after_s:
+                log.warning("speculator not serving yet", extra={"speculator": member.address})
+                started = None
+            await asyncio.sleep(0.5)
+
     async def await_serving(self, timeout_s: float = 180.0) -> None:
-        """Give starting speculators (loading SSMs, building the datastore on a first run)
-        time to report SERVING; one that never does is failed over like a dead one."""
-
-        async def serving(i: int, channel: grpc.aio.Channel) -> None:
-            stub = health_pb2_grpc.HealthStub(channel)
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                with contextlib.suppress(grpc.aio.AioRpcError):  # not listening yet
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                await asyncio.sleep(0.5)
-            log.warning("speculator not serving; starting without it", extra={"speculator": i})
-
-        await asyncio.gather(*(serving(i, c) for i, c in enumerate(self.channels)))
+        """Give the starting speculators time to report SERVING; the router starts without
+        those that do not (they join when they do)."""
+        checks = list(self._checks.values())
+        if checks:
+            await asyncio.wait(checks, timeout=timeout_s)
 
     def node_budget(self, req: GenRequest, budget: int, mode: SpeculationMode) -> int:
         """The most nodes ``req``'s tree may have this step."""
@@ -98,8 +138,13 @@ class SpeculatorPool:
             return {}
         now = time.monotonic()
         trees = {}
-        for i, client in enumerate(self.clients):
-            if self.down_until[i] > now:
+        # Affinity by the batch's first sequence (rendezvous hashing): a speculator keeps
+        # the SSM caches of the sequences it drafted for, a larger pool shares the batches,
+        # and one joining or leaving moves few of them.
+        key = reqs[0].id
+        for member in sorted(self.members.values(), key=lambda m: hashlib.sha256(
+                f"{key}|{m.address}".encode()).digest()):
+            if member.down_until > now:
                 continue
             items = [speculator_pb2.SpeculateItem(
                 sequence_id=r.id, context=r.history, sampling=sampling_to_proto(r.params),
@@ -111,10 +156,11 @@ class SpeculatorPool:
             try:
                 with tracing.batch_span("Speculate", [r.span for r in reqs], {
                         "specinfer.batch_size": len(reqs), "specinfer.node_budget": most,
-                        "specinfer.speculation_mode": mode.name}) as span:
-                    out = await client.Speculate(speculator_pb2.SpeculateRequest(items=items),
-                                                 timeout=min(self.timeout_s, hop_timeout(
-                                                     reqs, self.step_timeout_s)))
+                        "specinfer.speculation_mode": mode.name,
+                        "specinfer.speculator": member.address}) as span:
+                    out = await member.rpc.Speculate(
+                        speculator_pb2.SpeculateRequest(items=items),
+                        timeout=min(self.timeout_s, hop_timeout(reqs, self.step_timeout_s)))
                     span.set_attribute("specinfer.tree_nodes",
                                        sum(len(res.tree.tokens) for res in out.results))
                 self.metrics.drafted(most, time.monotonic() - now)
@@ -122,8 +168,8 @@ class SpeculatorPool:
                 break
             except grpc.aio.AioRpcError as exc:
                 log.warning("speculator failed; this step decodes without it",
-                            extra={"speculator": i, "error": exc.code().name})
-                self.down_until[i] = now + self.down_for_s
+                            extra={"speculator": member.address, "error": exc.code().name})
+                member.down_until = now + self.down_for_s
                 self.metrics.failover("speculator")
         for r in reqs:
             r.speculate_s += time.monotonic() - now
@@ -158,5 +204,7 @@ class SpeculatorPool:
         return bool(trees or second_trees)
 
     async def close(self) -> None:
-        for c in self.channels:
-            await c.close()
+        for check in self._checks.values():
+            check.cancel()
+        for member in self.members.values():
+            await member.channel.close()

@@ -7,12 +7,10 @@ import argparse
 import asyncio
 import logging
 
-import grpc
-
-from services.router import auth, limits
+from services.router import auth, discovery, limits
 from services.router.policy import SPECULATION_CHOICES
 from specinfer import metrics, tls, tracing
-from specinfer.models import DEFAULT_LLM
+from specinfer.models import DEFAULT_LLM, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +18,12 @@ log = logging.getLogger(__name__)
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llm", default=DEFAULT_LLM, help="for the tokenizer and chat template")
     p.add_argument("--model-name", default="", help="name in the API (default: --llm)")
-    p.add_argument("--verifier", action="append", required=True, help="verifier address")
-    p.add_argument("--speculator", action="append", default=[], help="speculator address")
+    p.add_argument("--verifier", action="append", required=True,
+                   help="verifier address (repeatable); with --discovery dns a name resolving "
+                        "to every replica, with kubernetes a Service: SERVICE[.NS][:PORT]")
+    p.add_argument("--speculator", action="append", default=[],
+                   help="speculator address (repeatable), named as --verifier is")
+    discovery.add_flags(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI API port (0 = off)")
@@ -62,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
     args.limits = limits.from_flags(args)
     args.tls = tls.from_flags(args)
     args.keys = auth.ApiKeys.from_flags(args.api_key)
+    try:
+        args.discovery_source = discovery.from_flags(args, args.verifier, args.speculator)
+    except discovery.DiscoveryError as exc:
+        raise ModelError(str(exc)) from exc
     tracing.setup_tracing("router", args.otlp_traces_endpoint)
     asyncio.run(serve(args))
     return 0
@@ -92,7 +98,8 @@ async def serve(args: argparse.Namespace, grace_s: float = 10.0) -> None:
     model_name = args.model_name or args.llm
     router_metrics = RouterMetrics(model_name)
     metrics.serve_metrics(router_metrics.registry, args.host, args.metrics_port)
-    scheduler = Scheduler(args.verifier, args.speculator or [],
+    # The replicas come from discovery (static: the flags' addresses), at start and later.
+    scheduler = Scheduler([], [],
                           eos_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
                           else [],
                           max_waiting=args.max_waiting, spec_max_batch=args.spec_max_batch,
@@ -100,7 +107,14 @@ async def serve(args: argparse.Namespace, grace_s: float = 10.0) -> None:
                           speculate_timeout_s=args.speculate_timeout,
                           detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                           metrics=router_metrics, tls=args.tls)
-    info = await _retry(scheduler.start)
+    source = args.discovery_source
+
+    def on_change(role: str, addresses: frozenset[str]) -> None:
+        pool = scheduler.replicas if role == "verifier" else scheduler.speculators
+        pool.update(addresses)
+
+    await source.start(on_change)
+    info = await scheduler.start()  # once a verifier answers: until then NOT_SERVING
     frontend = Frontend(tokenizer, model_name, info["vocab_size"], info["dtype"], args.limits)
     servicer.scheduler, servicer.fe = scheduler, frontend
     http = None
@@ -114,6 +128,7 @@ async def serve(args: argparse.Namespace, grace_s: float = 10.0) -> None:
                                     "mutual_tls": bool(args.tls and args.tls.mutual)})
 
     async def stop() -> None:
+        await source.close()
         if http is not None:
             await http.cleanup()
         await scheduler.close()
@@ -126,14 +141,3 @@ def _positive_seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0 seconds; got {text}")
     return value
-
-
-async def _retry(fn, attempts: int = 600, delay: float = 1.0):
-    """The verifiers may still be loading: keep asking until they answer."""
-    for i in range(attempts):
-        try:
-            return await fn()
-        except grpc.aio.AioRpcError:
-            if i == attempts - 1:
-                raise
-            await asyncio.sleep(delay)

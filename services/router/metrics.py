@@ -11,6 +11,7 @@ size, replica health and failovers.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -166,6 +167,11 @@ class RouterMetrics:
         """Report a replica's health, read at scrape time."""
         self.replica_healthy.labels(role=role, replica=address, **self._labels).set_function(
             lambda: float(healthy()))
+
+    def forget_replica(self, role: str, address: str) -> None:
+        """A replica discovery no longer lists: its series goes."""
+        with contextlib.suppress(KeyError):
+            self.replica_healthy.remove(*self._labels.values(), role, address)
 
     def failover(self, role: str) -> None:
         self.failovers.labels(role=role, **self._labels).inc()

@@ -1,18 +1,26 @@
-"""The verifier replicas: which one a sequence goes to, which are down, and the one path by
-which a sequence leaves its replica.
+"""The verifier replicas: which ones there are, which one a sequence goes to, which are
+down or draining, and the one path by which a sequence leaves its replica.
 
 A sequence stays on the replica that holds its KV cache (affinity by consistent hashing
-on its session, or its own id); a replica that fails is marked down, its sequences are
-re-prefilled elsewhere from the router's history, and it is probed until it answers.
+on its session, or its own id, so a replica joining moves few sessions); a replica that
+fails is marked down, its sequences are re-prefilled elsewhere from the router's history,
+and it is probed until it answers. The set changes at run time (``update``, from service
+discovery): a new replica joins once its Info answers; one that reports NOT_SERVING on the
+health service (shutting down, e.g. a pod being scaled down or evicted) takes no new
+sequences and the scheduler moves its live ones to other replicas; one that discovery no
+longer lists is dropped once its sequences have moved.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
+from collections.abc import Callable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.router.metrics import RouterMetrics
 from services.router.request import GenRequest, Replica
@@ -26,50 +34,154 @@ log = logging.getLogger(__name__)
 class ReplicaSet:
     def __init__(self, addresses: list[str], metrics: RouterMetrics,
                  probe_every_s: float = 1.0, tls: TlsConfig | None = None) -> None:
-        self.replicas = []
-        for address in addresses:
-            channel = internal_channel(address, tls)
-            replica = Replica(address, verifier_pb2_grpc.VerifierStub(channel), channel)
-            self.replicas.append(replica)
-            metrics.replica("verifier", address, lambda r=replica: r.healthy)
         self.metrics = metrics
+        self.tls = tls
         # A down replica's sequences wait for it (the only one, or all down): an Info call a
         # second is cheap, and they resume within a second of it being back.
         self.probe_every_s = probe_every_s
+        self.by_address: dict[str, Replica] = {}
+        self._tasks: dict[str, list[asyncio.Task]] = {}
+        self.info: verifier_pb2.InfoResponse | None = None  # the first replica's
+        self.joined = asyncio.Event()  # set once any replica has joined
+        # Called when sequences should move (a replica drains or leaves, or one joins that
+        # can take them): the scheduler moves them between steps.
+        self.on_change: Callable[[], None] = lambda: None
+        self._initial = list(addresses)
 
-    async def start(self) -> verifier_pb2.InfoResponse:
-        """Every replica's Info (they must answer); returns the first one's."""
-        first = None
-        for r in self.replicas:
-            info = await r.rpc.Info(verifier_pb2.InfoRequest(), timeout=30)
-            r.capacity = max(1, info.kv_capacity_tokens // max(1, info.max_context))
-            r.max_tree_nodes, r.max_context = info.max_tree_nodes, info.max_context
-            r.has_draft_head = info.draft_head
-            first = first or info
-        return first
+    @property
+    def replicas(self) -> list[Replica]:
+        return list(self.by_address.values())
+
+    async def start(self, all_within_s: float = 60.0) -> verifier_pb2.InfoResponse:
+        """Start with the addresses given at construction; returns the first joined
+        replica's Info once every replica has joined, or once one has and the others
+        have not within ``all_within_s`` (they join when they answer)."""
+        if self._initial:  # else discovery calls update
+            self.update(frozenset(self._initial))
+        await self.joined.wait()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(all_within_s):
+                while not all(r.joined for r in self.by_address.values()):
+                    await asyncio.sleep(0.2)
+        return self.info
+
+    def update(self, addresses: frozenset[str]) -> None:
+        """The replicas are now ``addresses``: new ones start joining, missing ones leave
+        (their sequences move first)."""
+        for address in sorted(addresses - self.by_address.keys()):
+            channel = internal_channel(address, self.tls)
+            replica = Replica(address, verifier_pb2_grpc.VerifierStub(channel), channel)
+            self.by_address[address] = replica
+            self.metrics.replica("verifier", address, lambda r=replica: r.usable)
+            self._tasks[address] = [asyncio.ensure_future(self._join(replica)),
+                                    asyncio.ensure_future(self._watch_health(replica))]
+            log.info("verifier replica added", extra={"replica": address})
+        for address in sorted(self.by_address.keys() - addresses):
+            replica = self.by_address[address]
+            if not replica.removed:
+                replica.removed = True
+                log.info("verifier replica removed; moving its sequences",
+                         extra={"replica": address, "live": replica.live})
+                self.on_change()
+
+    def forget_removed(self, close_after_s: float = 15.0) -> None:
+        """Drop removed replicas that hold no more of this router's sequences (their
+        channels close a little later, after the releases sent to them)."""
+        loop = asyncio.get_running_loop()
+        for address, replica in list(self.by_address.items()):
+            if replica.removed and replica.live == 0:
+                del self.by_address[address]
+                for task in self._tasks.pop(address, []):
+                    task.cancel()
+                self.metrics.forget_replica("verifier", address)
+                loop.call_later(close_after_s,
+                                lambda c=replica.channel: asyncio.ensure_future(c.close()))
+
+    async def _join(self, replica: Replica) -> None:
+        """Ask for the replica's Info until it answers (it may still be loading)."""
+        delay = 0.5
+        while not replica.removed:
+            try:
+                info = await replica.rpc.Info(verifier_pb2.InfoRequest(), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                log.debug("verifier replica not ready yet", extra={
+                    "replica": replica.address, "error": exc.code().name})
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+                continue
+            replica.capacity = max(1, info.kv_capacity_tokens // max(1, info.max_context))
+            replica.max_tree_nodes, replica.max_context = info.max_tree_nodes, info.max_context
+            replica.has_draft_head = info.draft_head
+            replica.joined = True
+            if self.info is None:
+                self.info = info
+            elif info.vocab_size != self.info.vocab_size:
+                log.error("verifier replica serves another model's vocabulary; not using it",
+                          extra={"replica": replica.address, "vocab_size": info.vocab_size,
+                                 "expected": self.info.vocab_size})
+                replica.joined = False
+                return
+            log.info("verifier replica joined", extra={
+                "replica": replica.address, "capacity": replica.capacity})
+            self.joined.set()
+            self.on_change()
+            return
+
+    async def _watch_health(self, replica: Replica) -> None:
+        """Follow the replica's health: NOT_SERVING after it has served means it is
+        shutting down (or lost a rank), so its sequences should move."""
+        stub = health_pb2_grpc.HealthStub(replica.channel)
+        delay = 0.5
+        while not replica.removed:
+            try:
+                async for reply in stub.Watch(health_pb2.HealthCheckRequest(service="")):
+                    delay = 0.5
+                    draining = reply.status != health_pb2.HealthCheckResponse.SERVING
+                    if draining != replica.draining:
+                        replica.draining = draining
+                        log.info("verifier replica draining" if draining else
+                                 "verifier replica serving", extra={"replica": replica.address})
+                        self.on_change()
+            except grpc.aio.AioRpcError:
+                pass  # not up (yet) or gone: calls fail over; keep watching
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 5.0)
 
     @property
     def max_context(self) -> int:
-        return min(r.max_context for r in self.replicas)
+        joined = [r.max_context for r in self.by_address.values() if r.joined]
+        if joined:
+            return min(joined)
+        return self.info.max_context if self.info is not None else 2048
 
     @property
     def draft_head(self) -> bool:
-        """Whether every replica has a draft head (so the head mode can run anywhere)."""
-        return all(r.has_draft_head for r in self.replicas)
+        """Whether every usable replica has a draft head (so the head mode can run
+        anywhere)."""
+        usable = [r for r in self.by_address.values() if r.usable]
+        return bool(usable) and all(r.has_draft_head for r in usable)
 
     def pick(self, req: GenRequest) -> Replica | None:
         """Consistent hashing on the session (or request) id, falling back to the least
-        loaded healthy replica with room."""
-        healthy = [r for r in self.replicas if r.healthy]
-        if not healthy:
+        loaded usable replica with room."""
+        usable = [r for r in self.by_address.values() if r.usable]
+        if not usable:
             return None
         key = req.session_id or req.id
-        ranked = sorted(healthy, key=lambda r: hashlib.sha256(
+        ranked = sorted(usable, key=lambda r: hashlib.sha256(
             f"{key}|{r.address}".encode()).digest())
         for r in ranked[:1] + sorted(ranked[1:], key=lambda r: r.live / r.capacity):
             if r.live < r.capacity:
                 return r
         return None
+
+    def should_move(self, replica: Replica) -> bool:
+        """Whether sequences on ``replica`` should move now: it left, or it drains and
+        another replica can take them (otherwise they finish there while it drains)."""
+        if replica.removed:
+            return True
+        return replica.draining and any(
+            r.usable and r.live < r.capacity for r in self.by_address.values())
 
     @staticmethod
     def attach(req: GenRequest, replica: Replica) -> None:
@@ -108,6 +220,9 @@ class ReplicaSet:
         asyncio.get_running_loop().call_later(self.probe_every_s, self._probe, replica)
 
     def _probe(self, replica: Replica) -> None:
+        if replica.removed:
+            return
+
         async def check() -> None:
             try:
                 await replica.rpc.Info(verifier_pb2.InfoRequest(), timeout=2)
@@ -118,11 +233,15 @@ class ReplicaSet:
                     replica.stale.difference_update(stale)
                 replica.healthy, replica.live = True, 0
                 log.info("verifier replica back", extra={"replica": replica.address})
+                self.on_change()
             except grpc.aio.AioRpcError:
                 asyncio.get_running_loop().call_later(self.probe_every_s, self._probe, replica)
 
         asyncio.ensure_future(check())
 
     async def close(self) -> None:
-        for r in self.replicas:
+        for tasks in self._tasks.values():
+            for task in tasks:
+                task.cancel()
+        for r in self.by_address.values():
             await r.channel.close()

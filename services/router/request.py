@@ -23,7 +23,10 @@ class Replica:
     address: str
     rpc: verifier_pb2_grpc.VerifierStub
     channel: grpc.aio.Channel
-    healthy: bool = True
+    healthy: bool = True  # False while failed over (probed until it answers)
+    joined: bool = False  # its Info answered: capacity and limits known
+    draining: bool = False  # it reports NOT_SERVING (shutting down): no new sequences
+    removed: bool = False  # discovery no longer lists it
     capacity: int = 1
     live: int = 0
     max_tree_nodes: int = 64
@@ -31,6 +34,11 @@ class Replica:
     has_draft_head: bool = False  # Info.draft_head
     # Sequences a failed call left behind there, released before it is used again.
     stale: set[str] = field(default_factory=set)
+
+    @property
+    def usable(self) -> bool:
+        """Whether it may take new sequences."""
+        return self.joined and self.healthy and not self.draining and not self.removed
 
 
 @dataclass

@@ -77,9 +77,11 @@ class Scheduler:
         self.task: asyncio.Task | None = None
         self.step_mode = "plain"  # the running step's speculation mode, for its spans
         self.metrics.watch_queues(lambda: len(self.running), lambda: len(self.waiting))
+        self.replicas.on_change = self.wake.set  # sequences may move (_move_off_leaving)
 
     async def start(self) -> dict:
-        """Query every verifier's Info (they must be up); start the loop."""
+        """Wait for the verifiers to join (every one given, or the first to answer, see
+        ``ReplicaSet.start``) and the speculators to serve; start the loop."""
         info = await self.replicas.start()
         await self.speculators.await_serving()
         self.task = asyncio.create_task(self._loop())
@@ -89,6 +91,15 @@ class Scheduler:
     async def close(self) -> None:
         if self.task:
             self.task.cancel()
+        # Free this router's KV slots now, not a lease later (a draining verifier waits
+        # for them).
+        held: dict[str, list[GenRequest]] = {}
+        for req in self.running:
+            if req.replica is not None:
+                held.setdefault(req.replica.address, []).append(req)
+        await asyncio.gather(*(asyncio.wait_for(self.replicas.release(
+            reqs[0].replica, [r.id for r in reqs]), 3) for reqs in held.values()),
+            return_exceptions=True)
         await self.replicas.close()
         await self.speculators.close()
 
@@ -119,6 +130,7 @@ class Scheduler:
                 await self.wake.wait()
             try:
                 await self._drop_ended()
+                self._move_off_leaving()
                 await self._admit()
                 if self.running:
                     await self._step()
@@ -150,6 +162,25 @@ class Scheduler:
             if req.cancelled:
                 self._ended(req, "abort")
         self.waiting = [r for r in self.waiting if not r.cancelled]
+
+    def _move_off_leaving(self) -> None:
+        """Sequences on a replica that left, or that drains while another can take them,
+        restart elsewhere from the router's history (between steps, so no call is in
+        flight for them); their slots there are freed."""
+        moving: dict[str, list[GenRequest]] = {}
+        for req in list(self.running):
+            if req.replica is not None and self.replicas.should_move(req.replica):
+                moving.setdefault(req.replica.address, []).append(req)
+        for address, reqs in moving.items():
+            replica = reqs[0].replica
+            log.info("moving sequences off a verifier replica", extra={
+                "replica": address, "sequences": len(reqs),
+                "reason": "removed" if replica.removed else "draining"})
+            self.metrics.failover("verifier")
+            for req in reqs:
+                self._requeue(req)
+            asyncio.ensure_future(self.replicas.release(replica, [r.id for r in reqs]))
+        self.replicas.forget_removed()
 
     async def _admit(self) -> None:
         """Prefill waiting requests, up to the step's prompt-token budget (the first one is
@@ -281,7 +312,7 @@ class Scheduler:
             return False
         if mode.in_verifier:
             return self.replicas.draft_head or not mode.draft_head
-        return bool(self.speculators.clients)
+        return self.speculators.available()
 
     async def _verify_all(self, reqs: list[GenRequest], trees: Trees,
                           draft_nodes: dict[str, int] | None = None,

@@ -58,6 +58,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a live sequence may go untouched by its router before it is "
                         "freed (the router died: a router steps its sequences far more often); "
                         "0 = never")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds to keep serving live sequences (NOT_SERVING, no "
+                        "new ones) while routers move them to other replicas; keep the pod's "
+                        "termination grace period above it")
     p.add_argument("--head-nodes", type=int, default=8,
                    help="the most nodes of a step's tree the draft head drafts; model-free "
                         "drafts fill the rest of the step's budget")
@@ -85,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     head = _draft_head(args.draft_head, args.llm, args.tp * args.pp > 1)
     placement = from_flags(args)
     tls_config = tls.from_flags(args)
+    if args.drain_timeout < 0:
+        raise ModelError(f"--drain-timeout must be >= 0 seconds; got {args.drain_timeout}")
     if args.rank_timeout <= 0:
         raise ModelError(f"--rank-timeout must be > 0 seconds; got {args.rank_timeout}")
     meet = rendezvous_from(args.node_rank, args.master_addr, args.master_port, args.pp,
@@ -104,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     verifier_metrics = VerifierMetrics(args.llm)
     metrics.serve_metrics(verifier_metrics.registry, args.host, args.metrics_port)
     asyncio.run(serve(build, args.host, args.port, metrics=verifier_metrics,
-                      credentials=tls.server_credentials_from(tls_config)))
+                      credentials=tls.server_credentials_from(tls_config),
+                      drain_timeout_s=args.drain_timeout))
     return 0
 
 

@@ -35,6 +35,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.engine: VerifierEngine | None = None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.metrics = metrics if metrics is not None else VerifierMetrics("")
+        self.draining = False  # shutting down: no new sequences (Prefill is refused)
 
     def _measured(self, fn, *args):
         """``fn(engine, *args)``, then the cache's state (read here: only this thread
@@ -77,6 +78,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return items
 
     async def Prefill(self, request, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down: "
+                                "prefill on another replica")
         def run(engine: VerifierEngine):
             specs = []
             for i, item in enumerate(request.items):
@@ -157,10 +161,22 @@ def _first_logprob(logprobs: list) -> object:
 
 async def serve(build, host: str, port: int, grace_s: float = 10.0,
                 sweep_every_s: float = 1.0, metrics: VerifierMetrics | None = None,
-                credentials: grpc.ServerCredentials | None = None) -> None:
+                credentials: grpc.ServerCredentials | None = None,
+                drain_timeout_s: float = 30.0) -> None:
     """Serve until SIGTERM; every ``sweep_every_s`` free the sequences past their lease
-    (``VerifierEngine.expire``), on the engine's thread like every call."""
+    (``VerifierEngine.expire``), on the engine's thread like every call. On SIGTERM:
+    NOT_SERVING, refuse new sequences, and keep serving the live ones for up to
+    ``drain_timeout_s`` while the routers move them elsewhere (or finish them)."""
     servicer = VerifierServicer(metrics)
+
+    async def drain() -> None:
+        servicer.draining = True
+        engine = servicer.engine
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout_s
+        while engine is not None and engine.sequences and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        log.info("drained", extra={"sequences_left": len(engine.sequences) if engine else 0})
 
     async def sweep() -> None:
         loop = asyncio.get_running_loop()
@@ -177,6 +193,6 @@ async def serve(build, host: str, port: int, grace_s: float = 10.0,
                            verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
                            build, host, port, grace_s, close=lambda e: e.executor.close(),
                            healthy=lambda e: getattr(e.executor, "healthy", True),
-                           credentials=credentials)
+                           credentials=credentials, drain=drain)
     finally:
         sweeper.cancel()
