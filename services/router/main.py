@@ -69,7 +69,10 @@ def run(args: argparse.Namespace) -> int:
     except discovery.DiscoveryError as exc:
         raise ModelError(str(exc)) from exc
     tracing.setup_tracing("router", args.otlp_traces_endpoint)
-    asyncio.run(serve(args))
+    try:
+        asyncio.run(serve(args))
+    except discovery.DiscoveryError as exc:  # e.g. a kubeconfig that cannot be loaded
+        raise ModelError(str(exc)) from exc
     return 0
 
 
