@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from contextlib import contextmanager
 
 from services import stack
+from specinfer.client import AsyncClient
 from specinfer.net import free_port
 
-__all__ = ["free_port", "service", "wait_serving"]
+__all__ = ["failovers", "free_port", "scrape", "service", "sessions_on", "stream_sessions",
+           "wait_serving"]
 
 
 def wait_serving(addr: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
@@ -40,3 +45,56 @@ def service(*args: str, timeout: float = 180.0, env: dict[str, str] | None = Non
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def sessions_on(address: str, others: list[str], n: int) -> list[str]:
+    """``n`` session ids the router's rendezvous hashing (services/router/replicas.py
+    ``pick``) places on ``address`` first when the usable verifiers are it and ``others``."""
+    out, i = [], 0
+    while len(out) < n:
+        key = f"s{i}"
+        rank = sorted([address, *others], key=lambda a: hashlib.sha256(
+            f"{key}|{a}".encode()).digest())
+        if rank[0] == address:
+            out.append(key)
+        i += 1
+    return out
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus text page as {series (name and labels): value}."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    series = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            series[name] = float(value)
+    return series
+
+
+def failovers(http: str, role: str) -> float:
+    """The router's ``specinfer:failovers_total`` for ``role`` (from its HTTP /metrics)."""
+    return sum(v for k, v in scrape(f"{http}/metrics").items()
+               if k.startswith("specinfer:failovers_total") and f'role="{role}"' in k)
+
+
+async def stream_sessions(addr: str, sessions: list[str], prompts: list[str], max_tokens: int,
+                          started: asyncio.Event, quorum: int) -> list[tuple[str, list[int]]]:
+    """One stream through the router at ``addr`` per session, prompts in turn; ``started``
+    is set once ``quorum`` of them have their first tokens. Returns (prompt, token ids)."""
+    first = 0
+
+    async def one(client: AsyncClient, prompt: str, session: str) -> tuple[str, list[int]]:
+        nonlocal first
+        ids: list[int] = []
+        async for chunk in client.stream(prompt, max_tokens=max_tokens, session_id=session):
+            if not ids:
+                first += 1
+                if first >= quorum:
+                    started.set()
+            ids += chunk.token_ids
+        return prompt, ids
+
+    async with AsyncClient(addr) as client:
+        return await asyncio.gather(*(one(client, prompts[i % len(prompts)], s)
+                                      for i, s in enumerate(sessions)))

@@ -10,16 +10,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import socket
 import time
 from pathlib import Path
 
-import aiohttp
 import kmock as kmocklib
 import pytest
 import pytest_asyncio
+from kube_api import LABEL, RES, Api, endpoint_slice, gone_once, is_watch, write_kubeconfig
 from kubernetes.aio import client as kclient
 
 from services.router import discovery
@@ -30,53 +29,6 @@ from services.router.discovery import (
     ServiceTarget,
     StaticDiscovery,
 )
-
-RES = "discovery.k8s.io/v1/endpointslices"
-LABEL = "kubernetes.io/service-name"
-
-
-def _slice(name: str, service: str, endpoints: list[tuple[str, bool | None, bool | None]],
-           ports=(("metrics", 9090), ("grpc", 50051)), namespace: str = "default",
-           address_type: str = "IPv4") -> dict:
-    """endpoints: (address, ready, terminating); None leaves the condition out (null)."""
-    eps = []
-    for address, ready, terminating in endpoints:
-        cond = {}
-        if ready is not None:
-            cond["ready"] = ready
-        if terminating is not None:
-            cond["terminating"] = terminating
-        eps.append({"addresses": [address], "conditions": cond})
-    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "addressType": address_type,
-            "metadata": {"name": name, "namespace": namespace, "labels": {LABEL: service}},
-            "ports": [{"name": n, "port": p, "protocol": "TCP"} for n, p in ports],
-            "endpoints": eps}
-
-
-class Api:
-    """Changes EndpointSlices over HTTP (so open watches see them), as the cluster would."""
-
-    def __init__(self, url) -> None:
-        self.url = str(url).rstrip("/")
-        self.session = aiohttp.ClientSession()
-
-    def _path(self, ns: str, name: str = "") -> str:
-        path = f"{self.url}/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
-        return f"{path}/{name}" if name else path
-
-    async def create(self, obj: dict) -> None:
-        ns = obj["metadata"]["namespace"]
-        async with self.session.post(self._path(ns), json=obj) as r:
-            assert r.status == 200, await r.text()
-
-    async def patch(self, name: str, patch: dict, ns: str = "default") -> None:
-        async with self.session.patch(self._path(ns, name), json=patch) as r:
-            assert r.status == 200, await r.text()
-
-    async def delete(self, name: str, ns: str = "default") -> None:
-        async with self.session.delete(self._path(ns, name)) as r:
-            assert r.status == 200, await r.text()
 
 
 class Recorder:
@@ -148,10 +100,6 @@ async def _until(predicate, within_s: float = 2.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def _is_watch(req) -> bool:
-    return req.action == kmocklib.action.WATCH
-
-
 VER = ServiceTarget("ver", "default")
 
 
@@ -160,7 +108,7 @@ VER = ServiceTarget("ver", "default")
 
 @pytest.mark.asyncio
 async def test_initial_list_ready_endpoints_named_port_and_explicit_port(kmock, api):
-    await api.create(_slice("ver-1", "ver", [
+    await api.create(endpoint_slice("ver-1", "ver", [
         ("10.0.0.1", True, None),      # ready
         ("10.0.0.2", None, None),      # ready null: counts
         ("10.0.0.3", True, False),     # not terminating
@@ -168,10 +116,14 @@ async def test_initial_list_ready_endpoints_named_port_and_explicit_port(kmock, 
         ("10.0.0.5", None, True),      # terminating
         ("10.0.0.6", False, True),
     ]))
-    await api.create(_slice("ver-v6", "ver", [("fd00::7", True, None)], address_type="IPv6"))
-    await api.create(_slice("other-1", "other", [("10.9.9.9", True, None)]))  # another Service
-    await api.create(_slice("ver-x", "ver", [("10.8.8.8", True, None)], namespace="elsewhere"))
-    await api.create(_slice("spec-1", "spec", [("10.1.0.1", True, None)], ports=[("http", 80)]))
+    await api.create(endpoint_slice("ver-v6", "ver", [("fd00::7", True, None)],
+                                    address_type="IPv6"))
+    # another Service
+    await api.create(endpoint_slice("other-1", "other", [("10.9.9.9", True, None)]))
+    await api.create(endpoint_slice("ver-x", "ver", [("10.8.8.8", True, None)],
+                                    namespace="elsewhere"))
+    await api.create(endpoint_slice("spec-1", "spec", [("10.1.0.1", True, None)],
+                                    ports=[("http", 80)]))
     rec = Recorder()
     spec = ServiceTarget("spec", "default", 7000)
     d = _kube(kmock.url, {"verifier": [VER], "speculator": [spec]})
@@ -187,7 +139,8 @@ async def test_initial_list_ready_endpoints_named_port_and_explicit_port(kmock, 
 
 @pytest.mark.asyncio
 async def test_named_port_missing_and_other_port_name(kmock, api):
-    await api.create(_slice("ver-1", "ver", [("10.0.0.1", True, None)], ports=[("http", 80)]))
+    await api.create(endpoint_slice("ver-1", "ver", [("10.0.0.1", True, None)],
+                                    ports=[("http", 80)]))
     rec = Recorder()
     d = _kube(kmock.url, {"verifier": [VER, ServiceTarget("ver", "default", None, "http")]})
     async with running(d, rec):
@@ -198,11 +151,12 @@ async def test_named_port_missing_and_other_port_name(kmock, api):
 
 @pytest.mark.asyncio
 async def test_watch_added_modified_deleted_two_slices_union(kmock, api):
-    await api.create(_slice("ver-1", "ver", [("10.0.0.1", True, None), ("10.0.0.2", True, None)]))
+    await api.create(endpoint_slice("ver-1", "ver", [("10.0.0.1", True, None),
+                                                     ("10.0.0.2", True, None)]))
     rec = Recorder()
     async with running(_kube(kmock.url, {"verifier": [VER]}), rec):
         assert rec.current("verifier") == {"10.0.0.1:50051", "10.0.0.2:50051"}
-        await api.create(_slice("ver-2", "ver", [("10.0.1.1", None, None)]))  # a 2nd slice
+        await api.create(endpoint_slice("ver-2", "ver", [("10.0.1.1", None, None)]))  # a 2nd slice
         await rec.until("verifier", {"10.0.0.1:50051", "10.0.0.2:50051", "10.0.1.1:50051"})
         await api.patch("ver-1", {"endpoints": [  # 10.0.0.2 becomes not ready
             {"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
@@ -213,12 +167,12 @@ async def test_watch_added_modified_deleted_two_slices_union(kmock, api):
                                                        "terminating": True}},
             {"addresses": ["10.0.0.2"], "conditions": {"ready": True}}]})
         await rec.until("verifier", {"10.0.0.2:50051", "10.0.1.1:50051"})
-        await api.create(_slice("other-2", "other", [("10.9.9.9", True, None)]))  # not ours
+        await api.create(endpoint_slice("other-2", "other", [("10.9.9.9", True, None)]))  # not ours
         await api.delete("ver-2")
         await rec.until("verifier", {"10.0.0.2:50051"})
         await api.delete("ver-1")  # the Service really has no endpoints: empty is reported
         await rec.until("verifier", set())
-        await api.create(_slice("ver-3", "ver", [("10.0.3.1", True, None)]))
+        await api.create(endpoint_slice("ver-3", "ver", [("10.0.3.1", True, None)]))
         await rec.until("verifier", {"10.0.3.1:50051"})
     assert len(kmock[kmocklib.action.LIST]) == 1  # one list, then the watch did it all
     watch = kmock[kmocklib.action.WATCH][0].params
@@ -226,29 +180,12 @@ async def test_watch_added_modified_deleted_two_slices_union(kmock, api):
     assert watch["resourceVersion"] and watch["labelSelector"] == f"{LABEL}=ver"
 
 
-def _gone_once(kmock, as_event: bool) -> asyncio.Event:
-    """Arms a one-shot 410 for the next watch request: an HTTP 410, or (as_event) a 200
-    stream with an ERROR event of code 410."""
-    armed = asyncio.Event()
-    status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-              "code": 410, "reason": "Expired", "message": "too old resource version: 1 (9)"}
-
-    def serve():
-        armed.clear()
-        if as_event:
-            return ({"type": "ERROR", "object": status},)
-        raise kmocklib.KubernetesError(status=410, reason="Expired", message=status["message"])
-
-    kmock[lambda req: armed.is_set() and _is_watch(req)] << serve
-    return armed
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize("as_event", [False, True], ids=["http-410", "error-event-410"])
 async def test_gone_relists_and_converges(kmock, api, as_event, caplog):
-    await api.create(_slice("ver-1", "ver", [("10.0.0.1", True, None)]))
-    await api.create(_slice("ver-2", "ver", [("10.0.0.2", True, None)]))
-    armed = _gone_once(kmock, as_event)
+    await api.create(endpoint_slice("ver-1", "ver", [("10.0.0.1", True, None)]))
+    await api.create(endpoint_slice("ver-2", "ver", [("10.0.0.2", True, None)]))
+    armed = gone_once(kmock, as_event)
     rec = Recorder()
     # Watches end after ~1 s (kmock ignores timeoutSeconds; the client ends them too).
     d = _kube(kmock.url, {"verifier": [VER]}, watch_timeout_s=1, read_slack_s=0.2)
@@ -274,17 +211,17 @@ async def test_gone_relists_and_converges(kmock, api, as_event, caplog):
 async def test_silent_watch_converges_by_reopen_and_resync(kmock, api):
     """The server stops answering (headers sent, then nothing): the watch is given up after
     read_timeout_s, and the periodic re-list repairs what it missed."""
-    await api.create(_slice("ver-1", "ver", [("10.0.0.1", True, None)]))
-    await api.create(_slice("ver-2", "ver", [("10.0.0.2", True, None)]))
+    await api.create(endpoint_slice("ver-1", "ver", [("10.0.0.1", True, None)]))
+    await api.create(endpoint_slice("ver-2", "ver", [("10.0.0.2", True, None)]))
     silent = asyncio.Event()
-    kmock[lambda req: silent.is_set() and _is_watch(req)] << (b"", lambda: asyncio.sleep(3600))
+    kmock[lambda req: silent.is_set() and is_watch(req)] << (b"", lambda: asyncio.sleep(3600))
     rec = Recorder()
     d = _kube(kmock.url, {"verifier": [VER]}, resync_s=1.5, read_timeout_s=0.5)
     silent.set()  # from the first watch on
     async with running(d, rec):
         assert rec.current("verifier") == {"10.0.0.1:50051", "10.0.0.2:50051"}
         await api.delete("ver-2")  # no watch hears this one
-        await api.create(_slice("ver-3", "ver", [("10.0.0.3", True, None)]))
+        await api.create(endpoint_slice("ver-3", "ver", [("10.0.0.3", True, None)]))
         # by the re-list every 1.5 s
         await rec.until("verifier", {"10.0.0.1:50051", "10.0.0.3:50051"}, within_s=2.5)
         lists = _lists(kmock)
@@ -306,8 +243,8 @@ def _free_port() -> int:
 async def test_api_unreachable_keeps_last_set_then_converges(kmock, api, caplog):
     """A second server for the same emulator, which the test stops and starts: while it is
     down the last set stays, nothing empty is reported; once back, it converges."""
-    await api.create(_slice("ver-1", "ver", [("10.0.0.1", True, None)]))
-    await api.create(_slice("ver-2", "ver", [("10.0.0.2", True, None)]))
+    await api.create(endpoint_slice("ver-1", "ver", [("10.0.0.1", True, None)]))
+    await api.create(endpoint_slice("ver-2", "ver", [("10.0.0.2", True, None)]))
     port = _free_port()
     server = kmocklib.Server(kmock, port=port)
     await server.__aenter__()
@@ -323,7 +260,7 @@ async def test_api_unreachable_keeps_last_set_then_converges(kmock, api, caplog)
                 await asyncio.sleep(1.5)  # several failed retries
                 assert rec.current("verifier") == {"10.0.0.1:50051", "10.0.0.2:50051"}
                 assert any("failed" in r.getMessage() for r in caplog.records)
-                await api.create(_slice("ver-3", "ver", [("10.0.0.3", True, None)]))
+                await api.create(endpoint_slice("ver-3", "ver", [("10.0.0.3", True, None)]))
                 server = kmocklib.Server(kmock, port=port)
                 await server.__aenter__()
                 await rec.until("verifier", {"10.0.0.3:50051"}, within_s=3.0)
@@ -334,7 +271,7 @@ async def test_api_unreachable_keeps_last_set_then_converges(kmock, api, caplog)
 
 @pytest.mark.asyncio
 async def test_api_down_at_start_reports_empty_then_converges(kmock, api):
-    await api.create(_slice("ver-1", "ver", [("10.0.0.1", True, None)]))
+    await api.create(endpoint_slice("ver-1", "ver", [("10.0.0.1", True, None)]))
     port = _free_port()
     rec = Recorder()
     cfg = kclient.Configuration(host=f"http://127.0.0.1:{port}")
@@ -348,14 +285,9 @@ async def test_api_down_at_start_reports_empty_then_converges(kmock, api):
 
 @pytest.mark.asyncio
 async def test_from_flags_kubernetes_with_kubeconfig(kmock, api, tmp_path, monkeypatch):
-    await api.create(_slice("ver-1", "ver", [("10.0.0.1", True, None)], namespace="prod"))
-    await api.create(_slice("spec-1", "spec", [("10.1.0.1", True, None)], namespace="team"))
-    kubeconfig = tmp_path / "config"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "test",
-        "clusters": [{"name": "kmock", "cluster": {"server": str(kmock.url).rstrip("/")}}],
-        "users": [{"name": "u", "user": {"token": "not-a-secret"}}],
-        "contexts": [{"name": "test", "context": {"cluster": "kmock", "user": "u"}}]}))
+    await api.create(endpoint_slice("ver-1", "ver", [("10.0.0.1", True, None)], namespace="prod"))
+    await api.create(endpoint_slice("spec-1", "spec", [("10.1.0.1", True, None)], namespace="team"))
+    kubeconfig = write_kubeconfig(tmp_path / "config", kmock.url, token="not-a-secret")
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.setenv("POD_NAMESPACE", "prod")

@@ -7,21 +7,19 @@ processes on loopback: a router and two verifiers on a tiny random Llama."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from servers import free_port, wait_serving
+from servers import failovers, free_port, sessions_on, stream_sessions, wait_serving
 
 from services.stack import stop_processes
-from specinfer.client import AsyncClient, Client
+from specinfer.client import Client
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of",
@@ -55,61 +53,21 @@ def stack(tiny_chat_llm):
         stop_processes(procs)
 
 
-def sessions_on(address: str, others: list[str], n: int) -> list[str]:
-    """Session ids the router's consistent hashing places on ``address`` first."""
-    out, i = [], 0
-    while len(out) < n:
-        key = f"s{i}"
-        rank = sorted([address, *others], key=lambda a: hashlib.sha256(
-            f"{key}|{a}".encode()).digest())
-        if rank[0] == address:
-            out.append(key)
-        i += 1
-    return out
-
-
-def moved_sequences(http: str) -> float:
-    text = urllib.request.urlopen(f"{http}/metrics", timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("specinfer:failovers_total") and 'role="verifier"' in line)
-
-
-async def streams(addr: str, sessions: list[str], started: asyncio.Event,
-                  stop_after_first: int) -> list[tuple[str, list[int]]]:
-    """One stream per session, prompts in turn; ``started`` is set once
-    ``stop_after_first`` of them have their first tokens."""
-    first = 0
-
-    async def one(client, prompt, session):
-        nonlocal first
-        ids = []
-        async for chunk in client.stream(prompt, max_tokens=MAX_TOKENS, session_id=session):
-            if not ids:
-                first += 1
-                if first >= stop_after_first:
-                    started.set()
-            ids += chunk.token_ids
-        return prompt, ids
-
-    async with AsyncClient(addr) as client:
-        return await asyncio.gather(*(one(client, PROMPTS[i % len(PROMPTS)], s)
-                                      for i, s in enumerate(sessions)))
-
-
 def test_draining_verifiers_lose_nothing(stack):
     with Client(stack["addr"]) as c:
         reference = {p: c.generate(p, max_tokens=MAX_TOKENS, speculation=False).token_ids
                      for p in PROMPTS}
     v0, v1 = stack["verifiers"]
     p0, p1 = stack["procs"]
-    before = moved_sequences(stack["http"])
+    before = failovers(stack["http"], "verifier")
 
     # 1. Verifier 0 stops with 4 live sequences on it and 2 on verifier 1: its sequences
     # move to verifier 1, it frees them, and it exits well before its 40 s drain timeout.
     async def phase_one():
         started = asyncio.Event()
         sessions = sessions_on(v0, [v1], 4) + sessions_on(v1, [v0], 2)
-        task = asyncio.create_task(streams(stack["addr"], sessions, started, 6))
+        task = asyncio.create_task(stream_sessions(stack["addr"], sessions, PROMPTS,
+                                                   MAX_TOKENS, started, 6))
         await asyncio.wait_for(started.wait(), 60)
         p0.send_signal(signal.SIGTERM)
         sent = time.monotonic()
@@ -121,7 +79,7 @@ def test_draining_verifiers_lose_nothing(stack):
         assert ids == reference[prompt]
     assert p0.wait(timeout=30) == 0
     assert time.monotonic() - sent < 30, "verifier 0 waited out its drain timeout"
-    assert moved_sequences(stack["http"]) >= before + 1
+    assert failovers(stack["http"], "verifier") >= before + 1
 
     # 2. Verifier 1, the last one, stops while a router's sequence and one of our own
     # ("held") are live on it: nowhere to move them, so it keeps serving them, NOT_SERVING,
@@ -133,7 +91,8 @@ def test_draining_verifiers_lose_nothing(stack):
                 verifier_pb2.PrefillItem(sequence_id="held", token_ids=[1, 2, 3, 4])]),
                 timeout=30)
             started = asyncio.Event()
-            task = asyncio.create_task(streams(stack["addr"], ["last"], started, 1))
+            task = asyncio.create_task(stream_sessions(stack["addr"], ["last"], PROMPTS,
+                                                       MAX_TOKENS, started, 1))
             await asyncio.wait_for(started.wait(), 60)
             p1.send_signal(signal.SIGTERM)
             health = health_pb2_grpc.HealthStub(channel)

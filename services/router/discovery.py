@@ -425,7 +425,7 @@ class KubernetesDiscovery(Discovery):
             return await self._list(state, report=False)
         except Exception as exc:
             log.warning("discovery: cannot list EndpointSlices; retrying", extra={
-                "service": str(state.target), "error": _describe(exc)})
+                "target": str(state.target), "error": _describe(exc)})
             return None
 
     def _union(self, role: str) -> frozenset[str]:
@@ -462,7 +462,7 @@ class KubernetesDiscovery(Discovery):
                     if failing:
                         failing = False
                         log.info("discovery: EndpointSlices listed again",
-                                 extra={"service": str(state.target)})
+                                 extra={"target": str(state.target)})
                 resync_at = loop.time() + self.resync_s
                 while (remaining := resync_at - loop.time()) > 0:
                     began = loop.time()
@@ -477,7 +477,7 @@ class KubernetesDiscovery(Discovery):
             except _Gone:
                 gone_in_a_row += 1
                 log.info("discovery: watch expired (410 Gone); re-listing",
-                         extra={"service": str(state.target)})
+                         extra={"target": str(state.target)})
                 rv = None
                 if gone_in_a_row > 1:  # 410 right after a fresh list: don't spin either
                     await pause()
@@ -486,7 +486,7 @@ class KubernetesDiscovery(Discovery):
                 failing = True
                 log.warning("discovery: EndpointSlice list/watch failed; keeping the last "
                             "addresses, retrying", extra={
-                                "service": str(state.target), "error": _describe(exc),
+                                "target": str(state.target), "error": _describe(exc),
                                 "retry_in_s": backoff})
                 await pause()
 
@@ -545,17 +545,17 @@ class KubernetesDiscovery(Discovery):
                 wait = min(self.read_timeout_s, deadline - loop.time())
                 if wait <= 0:
                     log.debug("discovery: watch closed (its time is up)", extra={
-                        "service": str(state.target), "events": events})
+                        "target": str(state.target), "events": events})
                     return rv, events, False
                 try:  # not readline(): aiohttp caps a line at 128 KiB, a big slice is more
                     chunk = await asyncio.wait_for(resp.content.readany(), wait)
                 except TimeoutError:
                     log.debug("discovery: watch silent; re-opening",
-                              extra={"service": str(state.target), "events": events})
+                              extra={"target": str(state.target), "events": events})
                     return rv, events, False
                 if not chunk:
                     log.debug("discovery: watch ended", extra={
-                        "service": str(state.target), "events": events})
+                        "target": str(state.target), "events": events})
                     return rv, events, True  # the server ended it (timeoutSeconds)
                 buf += chunk
                 while b"\n" in buf:
@@ -610,7 +610,7 @@ class KubernetesDiscovery(Discovery):
                 if obj.get("endpoints") and name not in state.warned_port:
                     state.warned_port.add(name)
                     log.warning("discovery: EndpointSlice has no port with that name", extra={
-                        "service": str(state.target), "slice": name,
+                        "target": str(state.target), "slice": name,
                         "port_name": state.target.port_name,
                         "ports": [p.get("name") for p in obj.get("ports") or []]})
                 return name, frozenset()
