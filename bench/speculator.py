@@ -5,15 +5,16 @@ pool, n-gram alone, the corpus datastore alone, the model-free pair (n-gram + da
 the router's lookup modes), pool + n-gram (+ datastore); greedy and stochastic (T=0.7);
 and tree shapes (a sequence vs trees of width 2-5). Then the verifier's draft head on the
 LLM's features (``specinfer.drafting.head``), alone and with the model-free drafts (the router's
-"head" mode). Also each drafter's draft-step cost relative to an LLM step, and a length
-profile: accepted tokens per step over the first N tokens of answers up to
+"head" mode), and the "merged" mode (the pool's trees sent to the verifier, merged there with
+the head's and the model-free drafts). Also each drafter's draft-step cost relative to an
+LLM step, and a length profile: accepted tokens per step over the first N tokens of answers up to
 ``max(--lengths)`` long, beside how much of those answers repeats itself (a small LLM's
 greedy answers loop, and model-free drafts accept whole loops).
 Prints tables, writes JSON and PNG plots.
 
     python bench/speculator.py [--pool DIR ...] [--head DIR|none] [--prompts 8]
                                [--new-tokens 64] [--lengths 64,128,256,512] [--quick]
-                               [--lengths-only]
+                               [--lengths-only] [--merged-only]
 """
 
 from __future__ import annotations
@@ -159,6 +160,25 @@ def run_head(engine, prompts, new_tokens, params, expansion, max_nodes, dynamic)
                       for p in prompts])
 
 
+def run_merged(engine, spec_engine, prompts, new_tokens, params, ssm_nodes: int,
+               max_nodes: int) -> dict:
+    """The router's "merged" mode: the SSM pool's trees (at most ``ssm_nodes``) sent with
+    each Verify item, merged in the verifier with its head's tree (dynamic for greedy, in
+    the room left) and model-free drafts, within ``max_nodes``."""
+    engine.config.head_expansion = EngineConfig().head_expansion
+    engine.config.head_dynamic = True
+    runs = []
+    for k, p in enumerate(prompts):
+        def trees(histories, k=k):
+            return spec_engine.speculate([SpeculateSpec(f"m{k}-{i}", h, params, [],
+                                                        ssm_nodes)
+                                          for i, h in enumerate(histories)])
+
+        runs.append(generate_local(engine, [p], new_tokens, trees=trees, params=params,
+                                   draft_nodes=max_nodes, draft_head=True)[0])
+    return summarize(runs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
@@ -173,6 +193,8 @@ def main() -> None:
                     help="only the length profile (e.g. with --prompts 80)")
     ap.add_argument("--head", default=None, help="draft head dir (default: bundled), or none")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens, fewer configs")
+    ap.add_argument("--merged-only", action="store_true",
+                    help="only plain decoding, the head mode and the merged mode")
     ap.add_argument("--out", default="bench/results/speculator")
     args = ap.parse_args()
     if args.quick:
@@ -234,6 +256,9 @@ def main() -> None:
                              ("head dynamic + ngram+datastore, 8 nodes", static, 8, greedy,
                               True)]
 
+    if args.merged_only:  # the head mode's defaults beside the merged mode
+        configs, head_configs = [], [c for c in head_configs if c[0].endswith("(default)")]
+        args.lengths = ""
     results = {"llm": args.llm, "pool": refs, "head": str(head) if head else None,
                "prompts": len(prompts), "new_tokens": args.new_tokens, "configs": []}
     if not args.lengths_only:  # the main table
@@ -268,6 +293,19 @@ def main() -> None:
             results["configs"].append(r)
             print(f"{name:<62} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
                   f"{r['tokens_per_s'] / plain_tps:>9.2f}")
+        if engine.head_drafter is not None and drafters:
+            # The router's "merged" mode: SSM trees (12 nodes) + head + model-free, 24 nodes.
+            spec = SpeculatorEngine(drafters, vocab, prompt_lookup=True, datastore=store,
+                                    max_nodes=64)
+            for name, params in (("merged: pool 12 + head + ngram+datastore, 24 nodes", greedy),
+                                 ("merged, T=0.7", stoch)):
+                for d in drafters:
+                    d.entries.clear()
+                r = run_merged(engine, spec, prompts, args.new_tokens, params, 12, 24)
+                r.update(config=name, expansion=list(spec.expansion))
+                results["configs"].append(r)
+                print(f"{name:<62} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
+                      f"{r['tokens_per_s'] / plain_tps:>9.2f}")
         results["plain_tokens_per_s"] = plain_tps
     cuts = sorted(int(x) for x in args.lengths.split(",") if x.strip())
     if cuts:

@@ -51,6 +51,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculation", choices=tuple(SPECULATION_CHOICES), default="adaptive")
     p.add_argument("--speculate-timeout", type=float, default=None,
                    help="the router's budget for one Speculate call (see serve router)")
+    p.add_argument("--speculate-rpc", choices=("stream", "unary"), default="stream",
+                   help="the router's calls to the speculators (see serve router)")
     add_placement_flags(p)  # the verifiers' and speculators' (validated here, before starting)
     tracing.add_flags(p)  # passed to every service (the OTEL_* environment is inherited)
     auth.add_flags(p)  # the router's (keys reach it in its environment, not in `ps`)
@@ -238,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     router = f"{args.host}:{args.port}"
     cmd = exe + ["serve", "router", "--llm", args.llm, "--host", args.host, "--port",
                  str(args.port), "--http-port", str(args.http_port),
-                 "--speculation", args.speculation]
+                 "--speculation", args.speculation, "--speculate-rpc", args.speculate_rpc]
     if args.speculate_timeout is not None:
         cmd += ["--speculate-timeout", str(args.speculate_timeout)]
     if args.otlp_traces_endpoint:

@@ -32,6 +32,14 @@ class NotFound(InvalidArgument):
     http_status = 404
 
 
+class FailedPrecondition(InvalidArgument):
+    """A request that does not fit what the service holds (e.g. a stream's offset for a
+    sequence it holds fewer tokens of): resend from the start."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 400
+
+
 class ResourceExhausted(ServiceError):
     """No capacity now; ``retry_after_s``: when a retry may succeed, if known (sent as
     HTTP ``Retry-After`` and gRPC ``retry-after`` trailing metadata)."""

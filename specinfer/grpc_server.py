@@ -56,13 +56,14 @@ class _Malformed:
 
 
 class MalformedRequests(grpc.aio.ServerInterceptor):
-    """A unary request that does not parse (corrupt wire format, bad UTF-8 in a string) is
-    answered INVALID_ARGUMENT naming the request; gRPC itself answers UNKNOWN, the status of
-    a server that failed."""
+    """A request (or a message of a request stream) that does not parse (corrupt wire
+    format, bad UTF-8 in a string) is answered INVALID_ARGUMENT naming the request; gRPC
+    itself answers UNKNOWN, the status of a server that failed."""
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None \
+                or handler.stream_unary is not None:
             return handler
         parse = handler.request_deserializer
 
@@ -85,6 +86,20 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
                 return await inner(request, context)
 
             return handler._replace(request_deserializer=deserialize, unary_unary=unary)
+        if handler.stream_stream is not None:
+            inner_both = handler.stream_stream
+
+            async def both(request_iterator, context):
+                async def checked():
+                    async for request in request_iterator:
+                        if isinstance(request, _Malformed):
+                            await refuse(request, context)
+                        yield request
+
+                async for message in inner_both(checked(), context):
+                    yield message
+
+            return handler._replace(request_deserializer=deserialize, stream_stream=both)
         inner_stream = handler.unary_stream
         if inspect.isasyncgenfunction(inner_stream):
             async def stream(request, context):

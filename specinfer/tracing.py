@@ -202,13 +202,21 @@ def server_span(name: str, carrier: Mapping[str, str], attributes: dict | None =
 # --- gRPC metadata -----------------------------------------------------------------------
 
 
+def carrier() -> dict[str, str]:
+    """The current span's W3C trace context (``traceparent``, ...); empty when off. For
+    messages that carry it themselves (each message of a long-lived stream)."""
+    out: dict[str, str] = {}
+    if enabled():
+        propagate.inject(out)
+    return out
+
+
 def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    if not carrier:
+    context = carrier()
+    if not context:
         return details
     metadata = grpc.aio.Metadata(*(details.metadata or ()))
-    for key, value in carrier.items():
+    for key, value in context.items():
         metadata[key] = value
     return details._replace(metadata=metadata)
 

@@ -1,12 +1,13 @@
-"""Fuzzing every RPC of the three gRPC services (Router Generate/GenerateStream, Speculator
-Speculate, Verifier Prefill/Verify/Decode/Release/Info) as real processes (tiny random
-Llama over SmolLM2's tokenizer), with hypothesis. Each call sends one of: random bytes; a
-valid request; a message with random field values, built from the message's descriptor
-(integers at their extremes, floats incl. NaN and infinities, huge repeated fields and
-strings, nested messages); or a valid request's serialization, mutated (bit flips,
-truncation, inserted, deleted or duplicated bytes). No call may answer INTERNAL or UNKNOWN
-(a server failure) or time out, every process must stay up, and afterwards good requests
-still answer correctly and no fuzzed sequence holds a verifier slot.
+"""Fuzzing every RPC of the three gRPC services (Router Generate/GenerateStream,
+Speculator Speculate/SpeculateStream, Verifier Prefill/Verify/Decode/Release/Info) as real
+processes (tiny random Llama over SmolLM2's tokenizer), with hypothesis. Each call sends one
+of: random bytes; a valid request; a message with random field values, built from the
+message's descriptor (integers at their extremes, floats incl. NaN and infinities, huge
+repeated fields and strings, nested messages); or a valid request's serialization, mutated
+(bit flips, truncation, inserted, deleted or duplicated bytes); a request stream sends 1-3
+of them. No call may answer INTERNAL or UNKNOWN (a server failure) or time out, every
+process must stay up, and afterwards good requests still answer correctly and no fuzzed
+sequence holds a verifier slot.
 ``SPECINFER_FUZZ_EXAMPLES`` raises the examples per RPC (``make fuzz``).
 
 The verifier trusts its router for sequence ids, so the fuzzed verifier is a process of its
@@ -271,6 +272,13 @@ def valid_requests(draw, method: str, live: Live):
             sequence_id="s", context=tokens, sampling=_sampling(draw),
             tree=speculator_pb2.TreeConfig(expansion=[2, 1], max_nodes=8,
                                            dynamic=draw(st.booleans())))])
+    if method == "SpeculateStream":  # a first message (offset 0) is valid in any position
+        return speculator_pb2.SpeculateStreamRequest(
+            step=draw(st.integers(0, 9)), release=draw(st.lists(st.sampled_from("st"))),
+            items=[speculator_pb2.StreamItem(
+                sequence_id="s", offset=0, delta=tokens, sampling=_sampling(draw),
+                tree=speculator_pb2.TreeConfig(expansion=[2, 1], max_nodes=8,
+                                               dynamic=draw(st.booleans())))])
     if method == "Prefill":
         return verifier_pb2.PrefillRequest(items=[verifier_pb2.PrefillItem(
             sequence_id="fz-0", token_ids=tokens, sampling=_sampling(draw))])
@@ -321,11 +329,16 @@ def mutated(draw, base: bytes) -> bytes:
 # --- the fuzzing ----------------------------------------------------------------------
 
 
-def _invoke(channel: grpc.Channel, path: str, streaming: bool,
-            payload: bytes) -> tuple[grpc.StatusCode, bytes, str]:
-    """Send raw bytes; returns the status, the (last) response's bytes and the details."""
+def _invoke(channel: grpc.Channel, path: str, method: descriptor.MethodDescriptor,
+            payloads: list[bytes]) -> tuple[grpc.StatusCode, bytes, str]:
+    """Send raw bytes (one message, or each of ``payloads`` on a request stream); returns
+    the status, the (last) response's bytes and the details."""
+    payload = payloads[0]
     try:
-        if streaming:
+        if method.client_streaming:
+            responses = list(channel.stream_stream(path)(iter(payloads), timeout=TIMEOUT_S))
+            return grpc.StatusCode.OK, responses[-1] if responses else b"", ""
+        if method.server_streaming:
             responses = list(channel.unary_stream(path)(payload, timeout=TIMEOUT_S))
             return grpc.StatusCode.OK, responses[-1] if responses else b"", ""
         return grpc.StatusCode.OK, channel.unary_unary(path)(payload, timeout=TIMEOUT_S), ""
@@ -348,17 +361,20 @@ def test_fuzz_rpc(stack, role, method):
         def fuzz(data):
             if live is not None:
                 live.ensure()
-            kind = data.draw(st.sampled_from(KINDS), label="kind")
-            if kind == "bytes":
-                payload = data.draw(st.binary(max_size=512), label="payload")
-            elif kind == "message":
-                payload = data.draw(messages(method.input_type)).SerializeToString()
-            else:
-                payload = data.draw(valid_requests(method.name, live)).SerializeToString()
-                if kind == "mutated":
-                    payload = data.draw(mutated(payload), label="payload")
-            code, response, details = _invoke(channel, path, method.server_streaming,
-                                              payload)
+            payloads = []
+            for _ in range(data.draw(st.integers(1, 3)) if method.client_streaming else 1):
+                kind = data.draw(st.sampled_from(KINDS), label="kind")
+                if kind == "bytes":
+                    payload = data.draw(st.binary(max_size=512), label="payload")
+                elif kind == "message":
+                    payload = data.draw(messages(method.input_type)).SerializeToString()
+                else:
+                    payload = data.draw(valid_requests(method.name, live)).SerializeToString()
+                    if kind == "mutated":
+                        payload = data.draw(mutated(payload), label="payload")
+                payloads.append(payload)
+            payload = payloads[0]
+            code, response, details = _invoke(channel, path, method, payloads)
             codes[code.name] = codes.get(code.name, 0) + 1
             note(f"{code.name}: {details[:300]}")
             if live is not None:

@@ -125,7 +125,7 @@ def test_one_http_request_is_one_trace_across_the_three_services(stack, receiver
     spans = _complete_trace(receiver, trace_id, SERVICES,
                             {request_span, "POST /v1/chat/completions", "Prefill", "Speculate",
                              "specinfer.v1.Verifier/Prefill",
-                             "specinfer.v1.Speculator/Speculate",
+                             "specinfer.v1.Speculator/SpeculateStream",
                              "specinfer.v1.Verifier/Release"})
     ids = {s.span_id for s in spans}
     for s in spans:  # every parent is in the trace, or is the caller's span
@@ -152,9 +152,9 @@ def test_one_http_request_is_one_trace_across_the_three_services(stack, receiver
         sum(steps) / len(steps))
     assert a["specinfer.verify_seconds"] > 0 and a["specinfer.speculate_seconds"] > 0
     # Each router call is a child of the request, and the service's span of the call
-    # the child of the router's.
+    # the child of the router's (for the speculator's stream: of each message).
     for client, server, service in [("Prefill", "specinfer.v1.Verifier/Prefill", "verifier"),
-                                    ("Speculate", "specinfer.v1.Speculator/Speculate",
+                                    ("Speculate", "specinfer.v1.Speculator/SpeculateStream",
                                      "speculator")]:
         calls = {s.span_id: s for s in by_name[client]}
         assert all(c.parent_id == req.span_id for c in calls.values())

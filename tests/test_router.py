@@ -261,10 +261,13 @@ def test_adaptive_speculation_drafts_in_the_verifier_without_a_speculator(stack,
         stop_processes([router])
 
 
-def test_head_mode_drafts_with_the_verifiers_draft_head(stack, reference, tiny_chat_llm,
-                                                       tmp_path):
+@pytest.mark.parametrize("mode", ["head", "merged"])
+def test_head_and_merged_modes_draft_with_the_verifiers_draft_head(stack, reference,
+                                                                  tiny_chat_llm, tmp_path,
+                                                                  mode):
     """A verifier with a draft head (--draft-head) and a router in "head" mode: the
-    verifier drafts each step's tree with its head and verifies it; no speculator. Greedy
+    verifier drafts each step's tree with its head and verifies it; no speculator. In
+    "merged" mode the speculator's SSM trees (over its stream) are merged into it. Greedy
     output unchanged."""
     import torch
 
@@ -276,9 +279,13 @@ def test_head_mode_drafts_with_the_verifiers_draft_head(stack, reference, tiny_c
               tiny_chat_llm, {})
     verifier = ("verifier", "--llm", tiny_chat_llm, "--draft-head", str(tmp_path / "head"),
                 "--slots", "4", "--max-context", "512", "--threads", "1")
+    cmd = stack["router_cmd"]
+    speculator = ("--speculator", cmd[cmd.index("--speculator") + 1]) if mode == "merged" \
+        else ()
     with service(*verifier) as (addr, _), \
-            service("router", "--llm", tiny_chat_llm, "--verifier", addr, "--speculation",
-                    "head", "--http-port", "0") as (router, _), Client(router) as client:
+            service("router", "--llm", tiny_chat_llm, "--verifier", addr, *speculator,
+                    "--speculation", mode, "--http-port", "0") as (router, _), \
+            Client(router) as client:
         outs = {p: client.generate(p, max_tokens=24) for p in PROMPTS}
     for prompt, out in outs.items():
         assert out.token_ids == reference[prompt]

@@ -77,9 +77,11 @@ def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params, d
     assert accepted < 2 * n  # speculation accepted drafts, so both tokens often came at once
 
 
-def test_the_verifiers_head_drafts_keep_the_distribution(tiny_llama, tmp_path):
+@pytest.mark.parametrize("merged", [False, True], ids=["head", "merged"])
+def test_the_verifiers_head_drafts_keep_the_distribution(tiny_llama, tmp_path, merged):
     """The same test for trees the verifier drafts itself: its draft head's sampled chain
-    (source after the model-free ones) merged with prompt-lookup drafts, at T=0.8."""
+    (source after the model-free ones) merged with prompt-lookup drafts, at T=0.8; and
+    (merged) with an SSM's sampled tree sent with the item as well, the merged mode."""
     from specinfer.drafting.head import DraftHead
     from specinfer.training.head import save_head
 
@@ -88,11 +90,22 @@ def test_the_verifiers_head_drafts_keep_the_distribution(tiny_llama, tmp_path):
     engine = build_engine(tiny_llama, EngineConfig(max_context=64, slots=4,
                                                    head_expansion=(2, 1, 1)),
                           head=str(tmp_path / "head"))
+    trees = None
+    if merged:
+        model, _ = load_ssm(f"{tiny_llama}#layers=2")
+        spec = SpeculatorEngine([SSMDrafter(model, 0, slots=4, max_context=64)], 128,
+                                expansion=[2, 1], max_nodes=16, prompt_lookup=False)
+        counter = iter(range(10**9))
+
+        def trees(histories):
+            return spec.speculate([SpeculateSpec(f"m{next(counter)}", h, params, max_nodes=4)
+                                   for h in histories])
     prompt = [5, 17, 33, 2, 90, 5, 17]
     on, off, steps = [], [], 0
     for i in range(N):
         params = SamplingParams(0.8, seed=i)
-        res = generate_local(engine, [prompt], 3, params=params, draft_nodes=8, draft_head=True)
+        res = generate_local(engine, [prompt], 3, trees=trees, params=params, draft_nodes=8,
+                             draft_head=True)
         on.append(res[0].token_ids)
         steps += res[0].steps
         off.append(generate_local(engine, [prompt], 3, params=params)[0].token_ids)

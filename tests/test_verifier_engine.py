@@ -252,7 +252,7 @@ def test_trees_drafted_by_the_verifier_keep_greedy_output(engine, greedy):
 
 
 @pytest.mark.parametrize("tree,nodes,shadow,field,message", [
-    (TokenTree.chain([1]), 2, 0, "draft_nodes", "not both"),
+    (TokenTree.chain([1, 2, 3]), 2, 0, "tree", "do not fit in draft_nodes 2"),
     (TokenTree(), 25, 0, "draft_nodes", "outside"),
     (TokenTree(), 0, 25, "shadow_nodes", "outside"),
 ])
@@ -262,3 +262,23 @@ def test_bad_draft_requests_name_the_field(engine, tree, nodes, shadow, field, m
         engine.verify([("s", root, tree)], draft_nodes=[nodes], shadow_nodes=[shadow])
     assert err.value.field == f"items[0].{field}"
     assert engine.sequences["s"].tokens == [1, 2, 3, root]
+
+
+def test_a_sent_tree_with_draft_nodes_is_merged_with_the_verifiers_drafts(engine, greedy):
+    """Tree and draft_nodes together: the sent tree (its sources renumbered after the
+    verifier's own) plus model-free drafts in the room left; greedy output unchanged."""
+    prompt = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8]
+    root = engine.prefill([PrefillSpec("m", prompt)])[0].token
+    try:
+        tokens = [root]
+        sent = TokenTree.chain([3, 4])
+        out = engine.verify([("m", root, sent)], draft_nodes=[6])[0]
+        assert 2 <= out.drafted_nodes <= 6  # the sent chain, model-free drafts if any
+        tokens += out.tokens
+        assert tokens == greedy(prompt, len(tokens))
+        own = engine.model_free.source + engine.model_free.sources
+        merged = engine._merged_tree(engine.sequences["m"], 6, None,
+                                     TokenTree.chain([3, 4]))
+        assert {d.source for node in merged.drafts[:2] for d in node} >= {own}
+    finally:
+        engine.release(["m"])

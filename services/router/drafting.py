@@ -3,7 +3,9 @@ budgets, and the overlapped step that drafts one micro-batch while the other is 
 
 The speculators are stateless, so any one of them may answer; one that fails is skipped
 for a few seconds and the step goes on without its trees (the router keeps every history,
-so nothing is lost but that step's speculation).
+so nothing is lost but that step's speculation). Calls go over one ``SpeculateStream`` per
+replica (speculate_stream.py: only each sequence's new tokens per step) or, with
+``stream=False``, the unary ``Speculate`` (the whole history every step).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.router.metrics import RouterMetrics
 from services.router.policy import SpeculationMode
 from services.router.request import GenRequest, hop_timeout
+from services.router.speculate_stream import SpeculatorStream, StreamEnded
 from specinfer import tracing
 from specinfer.channels import internal_channel
 from specinfer.tls import TlsConfig
@@ -49,6 +52,7 @@ class Speculator:
     address: str
     channel: grpc.aio.Channel
     rpc: speculator_pb2_grpc.SpeculatorStub
+    stream: SpeculatorStream
     down_until: float = 0.0  # skipped until then (it failed)
 
 
@@ -59,9 +63,11 @@ class SpeculatorPool:
     def __init__(self, speculators: list[str], metrics: RouterMetrics, *,
                  expansion: list[int] | None = None, max_nodes: int = 0,
                  timeout_s: float = 10.0, step_timeout_s: float = 60.0,
-                 down_for_s: float = 5.0, tls: TlsConfig | None = None) -> None:
+                 down_for_s: float = 5.0, tls: TlsConfig | None = None,
+                 stream: bool = True) -> None:
         self.metrics = metrics
         self.tls = tls
+        self.use_stream = stream
         self.members: dict[str, Speculator] = {}
         self._checks: dict[str, asyncio.Future] = {}
         self.update(frozenset(speculators))
@@ -79,7 +85,8 @@ class SpeculatorPool:
         """The pool is now ``addresses`` (from service discovery)."""
         for address in sorted(addresses - self.members.keys()):
             channel = internal_channel(address, self.tls)
-            member = Speculator(address, channel, speculator_pb2_grpc.SpeculatorStub(channel),
+            stub = speculator_pb2_grpc.SpeculatorStub(channel)
+            member = Speculator(address, channel, stub, SpeculatorStream(stub),
                                 down_until=math.inf)  # until it reports SERVING
             self.members[address] = member
             self.metrics.replica("speculator", address,
@@ -88,6 +95,7 @@ class SpeculatorPool:
             log.info("speculator added", extra={"speculator": address})
         for address in sorted(self.members.keys() - addresses):
             member = self.members.pop(address)
+            member.stream.close()
             self._checks.pop(address).cancel()
             self.metrics.forget_replica("speculator", address)
             # A call in flight on it ends with it; close once that had time to finish.
@@ -98,6 +106,11 @@ class SpeculatorPool:
 
     def available(self) -> bool:
         return bool(self.members)
+
+    def release(self, sequence_id: str) -> None:
+        """The sequence ended: every stream that holds it forgets it with its next step."""
+        for member in self.members.values():
+            member.stream.release(sequence_id)
 
     async def _until_serving(self, member: Speculator, warn_after_s: float = 180.0) -> None:
         """Use a speculator once its health reports SERVING (it may be loading SSMs or
@@ -146,29 +159,36 @@ class SpeculatorPool:
                 f"{key}|{m.address}".encode()).digest()):
             if member.down_until > now:
                 continue
-            items = [speculator_pb2.SpeculateItem(
-                sequence_id=r.id, context=r.history, sampling=sampling_to_proto(r.params),
-                tree=speculator_pb2.TreeConfig(
-                    expansion=list(mode.expansion) or self.expansion,
-                    max_nodes=self.node_budget(r, budget, mode)))
-                for r in reqs]
-            most = max(item.tree.max_nodes for item in items)
+            sampling = [sampling_to_proto(r.params) for r in reqs]
+            configs = [speculator_pb2.TreeConfig(expansion=list(mode.expansion) or self.expansion,
+                                                 max_nodes=self.node_budget(r, budget, mode))
+                       for r in reqs]
+            most = max(c.max_nodes for c in configs)
+            timeout = min(self.timeout_s, hop_timeout(reqs, self.step_timeout_s))
             try:
                 with tracing.batch_span("Speculate", [r.span for r in reqs], {
                         "specinfer.batch_size": len(reqs), "specinfer.node_budget": most,
                         "specinfer.speculation_mode": mode.name,
-                        "specinfer.speculator": member.address}) as span:
-                    out = await member.rpc.Speculate(
-                        speculator_pb2.SpeculateRequest(items=items),
-                        timeout=min(self.timeout_s, hop_timeout(reqs, self.step_timeout_s)))
+                        "specinfer.speculator": member.address,
+                        "specinfer.stream": self.use_stream}) as span:
+                    if self.use_stream:
+                        out = await member.stream.speculate(reqs, sampling, configs, timeout)
+                    else:
+                        out = await member.rpc.Speculate(speculator_pb2.SpeculateRequest(items=[
+                            speculator_pb2.SpeculateItem(sequence_id=r.id, context=r.history,
+                                                         sampling=s, tree=c)
+                            for r, s, c in zip(reqs, sampling, configs, strict=True)]),
+                            timeout=timeout)
                     span.set_attribute("specinfer.tree_nodes",
                                        sum(len(res.tree.tokens) for res in out.results))
                 self.metrics.drafted(most, time.monotonic() - now)
                 trees = {res.sequence_id: res.tree for res in out.results}
                 break
-            except grpc.aio.AioRpcError as exc:
+            except (grpc.aio.AioRpcError, TimeoutError, StreamEnded) as exc:
+                error = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) \
+                    else "DEADLINE_EXCEEDED" if isinstance(exc, TimeoutError) else str(exc)
                 log.warning("speculator failed; this step decodes without it",
-                            extra={"speculator": member.address, "error": exc.code().name})
+                            extra={"speculator": member.address, "error": error})
                 member.down_until = now + self.down_for_s
                 self.metrics.failover("speculator")
         for r in reqs:
@@ -207,4 +227,5 @@ class SpeculatorPool:
         for check in self._checks.values():
             check.cancel()
         for member in self.members.values():
+            member.stream.close()
             await member.channel.close()

@@ -38,6 +38,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "decodes without that speculator's trees and it is skipped for 5 s. "
                         "2 s is ~20x the slowest speculation step measured on a 2-core CPU, "
                         "so only a stuck or overloaded speculator hits it")
+    p.add_argument("--speculate-rpc", choices=("stream", "unary"), default="stream",
+                   help="how drafts are asked for: stream (one SpeculateStream per "
+                        "speculator, each step sending only the tokens accepted since the "
+                        "last) or unary (Speculate with each sequence's whole history)")
     p.add_argument("--spec-max-batch", type=int, default=2,
                    help="above this many live sequences, decode without speculation (below, "
                         "the router measures whether speculating pays). The default is "
@@ -108,6 +112,7 @@ async def serve(args: argparse.Namespace, grace_s: float = 10.0) -> None:
                           max_waiting=args.max_waiting, spec_max_batch=args.spec_max_batch,
                           speculation=args.speculation, queue_timeout_s=args.queue_timeout,
                           speculate_timeout_s=args.speculate_timeout,
+                          speculate_stream=args.speculate_rpc == "stream",
                           detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                           metrics=router_metrics, tls=args.tls)
     source = args.discovery_source

@@ -28,6 +28,9 @@ class SpeculationMode:
     in_verifier: bool = False
     # With in_verifier: the verifier's draft head (on the LLM's features) drafts too.
     draft_head: bool = False
+    # With in_verifier: the speculator's SSM trees too (half the node budget), merged in
+    # the verifier with its own drafts under the one budget (VerifyItem tree + draft_nodes).
+    merge_speculator: bool = False
     # Mode 0: no tree at all, one token per step.
     plain: bool = False
 
@@ -45,6 +48,10 @@ LOOKUP = SpeculationMode("lookup-2", max_nodes=2, in_verifier=True)
 # and model-free drafts, in one tree of up to 16 nodes (bench/speculator.py measures it;
 # 8 nodes accept fewer and, on a 2-core CPU, ran no faster); no Speculate call either.
 HEAD = SpeculationMode("head", max_nodes=16, in_verifier=True, draft_head=True)
+# The paper's merge: the SSM pool's trees, the draft head's and the model-free drafts in one
+# tree of up to 24 nodes, verified at once (each source's q recorded for MSS).
+MERGED = SpeculationMode("merged", max_nodes=24, in_verifier=True, draft_head=True,
+                         merge_speculator=True)
 ADAPTIVE_MODES = (
     PLAIN,
     LOOKUP,
@@ -52,11 +59,12 @@ ADAPTIVE_MODES = (
     HEAD,
     TREE,
     TREE_OVERLAP,
+    MERGED,
 )
 # --speculation: adaptive, or one mode on every step it can run (plain decoding where not).
 SPECULATION_CHOICES = {"adaptive": ADAPTIVE_MODES, "always": (PLAIN, TREE),
                        "overlap": (PLAIN, TREE_OVERLAP), "lookup": (PLAIN, LOOKUP),
-                       "head": (PLAIN, HEAD)}
+                       "head": (PLAIN, HEAD), "merged": (PLAIN, MERGED)}
 
 
 class SpeculationPolicy:

@@ -17,6 +17,7 @@ failover, overlap).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -47,12 +48,14 @@ class Scheduler:
                  prefill_token_budget: int = 4096,
                  detokenize: Callable[[list[int]], str] | None = None,
                  speculation: str = "adaptive", queue_timeout_s: float = 60.0,
-                 metrics: RouterMetrics | None = None, tls: TlsConfig | None = None) -> None:
+                 metrics: RouterMetrics | None = None, tls: TlsConfig | None = None,
+                 speculate_stream: bool = True) -> None:
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.replicas = ReplicaSet(verifiers, self.metrics, tls=tls)
         self.speculators = SpeculatorPool(speculators, self.metrics, expansion=expansion,
                                           max_nodes=max_nodes, timeout_s=speculate_timeout_s,
-                                          step_timeout_s=step_timeout_s, tls=tls)
+                                          step_timeout_s=step_timeout_s, tls=tls,
+                                          stream=speculate_stream)
         self.eos_ids = set(eos_ids)
         self.max_waiting = max_waiting
         # A request that waits this long for capacity is turned away (RESOURCE_EXHAUSTED,
@@ -274,7 +277,12 @@ class Scheduler:
             self.speculators.prefetched.clear()
             shadow = len(batch) <= self.spec_max_batch
             if mode.in_verifier:
-                await self._verify_all(batch, {}, {
+                # Merged: the SSM trees get half the budget, the verifier's own drafts the
+                # room they leave.
+                trees = await self.speculators.speculate(
+                    speculate, budget, dataclasses.replace(mode, max_nodes=mode.max_nodes // 2)
+                ) if mode.merge_speculator else {}
+                await self._verify_all(batch, trees, {
                     r.id: self.speculators.node_budget(r, budget, mode) for r in speculate},
                     shadow, mode.draft_head)
                 drafted = True
@@ -309,6 +317,8 @@ class Scheduler:
         if mode.plain:
             return True
         if mode.overlap and speculating < 2:
+            return False
+        if mode.merge_speculator and not self.speculators.available():
             return False
         if mode.in_verifier:
             return self.replicas.draft_head or not mode.draft_head
@@ -461,6 +471,7 @@ class Scheduler:
         """Take a request out of the batch for good; returns the replica it was on."""
         if self.policy:
             self.policy.forget(req.id)
+        self.speculators.release(req.id)
         if req in self.running:
             self.running.remove(req)
         return self.replicas.detach(req)

@@ -77,6 +77,12 @@ class SpeculatorEngine:
                                       f"a tree of {sum(_level_sizes(s.expansion))} nodes exceeds "
                                       f"the budget {self.max_nodes}")
 
+    def forget(self, sequence_ids: list[str]) -> None:
+        """Free the SSM KV slots of sequences that ended (a cache: nothing else changes)."""
+        for ssm in self.pool:
+            for sequence_id in sequence_ids:
+                ssm.forget(sequence_id)
+
     def speculate(self, specs: list[SpeculateSpec]) -> list[TokenTree]:
         """Each sequence's merged tree, within its node budget. An expansion of only zeros
         (e.g. ``[0]``) skips the SSMs: only the model-free drafts, at almost no cost."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,7 @@ from opentelemetry import trace
 from services.speculator.engine import SpeculateSpec, SpeculatorEngine
 from services.speculator.metrics import SpeculatorMetrics
 from specinfer import tracing
-from specinfer.errors import InvalidArgument
+from specinfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specinfer.grpc_server import abort_on_error, serve_engine
 from specinfer.v1 import speculator_pb2, speculator_pb2_grpc
 from specinfer.wire import sampling_from_proto, tree_to_proto
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 
 MAX_ITEMS = 1024  # sequences per Speculate call: a router's batch is far smaller
+MAX_STREAM_SEQUENCES = 4096  # sequences one SpeculateStream holds (the router releases them)
 
 
 def specs_from_proto(request: speculator_pb2.SpeculateRequest) -> list[SpeculateSpec]:
@@ -37,6 +39,58 @@ def specs_from_proto(request: speculator_pb2.SpeculateRequest) -> list[Speculate
     return specs
 
 
+def _message_span(request: speculator_pb2.SpeculateStreamRequest):
+    """A SERVER span per stream message, the child of the span in its trace context (the
+    router's step), so each step's drafting shows in its requests' traces."""
+    if not tracing.enabled():
+        return contextlib.nullcontext()
+    return tracing.server_span("specinfer.v1.Speculator/SpeculateStream", request.trace_context,
+                               {"rpc.system": "grpc", "rpc.service": "specinfer.v1.Speculator",
+                                "rpc.method": "SpeculateStream",
+                                "specinfer.step": request.step})
+
+
+class StreamContexts:
+    """What one SpeculateStream holds: each sequence's context (the tokens sent so far)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, list[int]] = {}
+
+    def specs(self, request: speculator_pb2.SpeculateStreamRequest) -> list[SpeculateSpec]:
+        """The step's specs from the held contexts and the deltas; holds nothing new until
+        ``commit`` (a refused message changes nothing)."""
+        if len(request.items) > MAX_ITEMS:
+            raise InvalidArgument("items", f"{len(request.items)} sequences; at most "
+                                  f"{MAX_ITEMS} per message")
+        seen: set[str] = set()
+        specs = []
+        for i, item in enumerate(request.items):
+            sid = item.sequence_id
+            if sid in seen:
+                raise InvalidArgument(f"items[{i}].sequence_id", f"{sid!r} appears twice")
+            seen.add(sid)
+            held = self.held.get(sid, []) if item.offset else []
+            if item.offset != len(held):
+                raise FailedPrecondition(
+                    f"items[{i}].offset", f"the stream holds {len(held)} tokens of sequence "
+                    f"{sid!r}, not {item.offset}; send its full context with offset 0")
+            params = sampling_from_proto(item.sampling, f"items[{i}].sampling")
+            specs.append(SpeculateSpec(sid, held + list(item.delta), params,
+                                       list(item.tree.expansion), item.tree.max_nodes,
+                                       item.tree.dynamic))
+        if len(self.held.keys() | seen) > MAX_STREAM_SEQUENCES:
+            raise ResourceExhausted(f"the stream would hold more than {MAX_STREAM_SEQUENCES} "
+                                    "sequences; release those that ended")
+        return specs
+
+    def commit(self, specs: list[SpeculateSpec]) -> None:
+        for spec in specs:
+            self.held[spec.sequence_id] = spec.context
+
+    def release(self, sequence_ids) -> list[str]:
+        return [sid for sid in sequence_ids if self.held.pop(sid, None) is not None]
+
+
 class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
     def __init__(self, metrics: SpeculatorMetrics | None = None) -> None:
         self.engine: SpeculatorEngine | None = None
@@ -47,6 +101,51 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
         start = time.perf_counter()
         return self.engine.speculate(specs_from_proto(request)), time.perf_counter() - start
 
+    def _stream_step(self, request: speculator_pb2.SpeculateStreamRequest,
+                     stream: StreamContexts):
+        self.engine.forget(stream.release(request.release))
+        start = time.perf_counter()
+        specs = stream.specs(request)
+        trees = self.engine.speculate(specs) if specs else []
+        stream.commit(specs)
+        return trees, time.perf_counter() - start
+
+    async def SpeculateStream(self, request_iterator, context):
+        """Speculate, one message per step on a long-lived stream (speculator.proto)."""
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the SSMs are still loading")
+        stream = StreamContexts()
+        loop = asyncio.get_running_loop()
+        try:
+            async for request in request_iterator:
+                with _message_span(request):
+                    try:
+                        trees, seconds = await loop.run_in_executor(
+                            self.pool, self._stream_step, request, stream)
+                    except Exception as exc:
+                        log.info("request failed", extra={"method": "SpeculateStream",
+                                                          "error": str(exc)[:300]})
+                        await abort_on_error(context, exc)
+                    self._observe(request.items, trees, seconds)
+                yield speculator_pb2.SpeculateStreamResponse(step=request.step, results=[
+                    speculator_pb2.SpeculateResult(sequence_id=item.sequence_id,
+                                                   tree=tree_to_proto(t))
+                    for item, t in zip(request.items, trees, strict=True)])
+        finally:  # the stream's SSM caches go with it
+            held = list(stream.held)
+            if held:
+                with contextlib.suppress(RuntimeError):  # the pool is shut down
+                    self.pool.submit(self.engine.forget, held)
+
+    def _observe(self, items, trees, seconds: float) -> None:
+        nodes = sum(len(t.tokens) for t in trees)
+        budget = max((item.tree.max_nodes for item in items), default=0)
+        self.metrics.call(len(trees), budget, nodes, seconds)
+        if tracing.enabled():
+            trace.get_current_span().set_attributes({
+                "specinfer.batch_size": len(trees), "specinfer.node_budget": budget,
+                "specinfer.tree_nodes": nodes, "specinfer.engine_seconds": seconds})
+
     async def Speculate(self, request, context):
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the SSMs are still loading")
@@ -56,13 +155,7 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
         except Exception as exc:
             log.info("request failed", extra={"method": "Speculate", "error": str(exc)[:300]})
             await abort_on_error(context, exc)
-        nodes = sum(len(t.tokens) for t in trees)
-        budget = max((item.tree.max_nodes for item in request.items), default=0)
-        self.metrics.call(len(trees), budget, nodes, seconds)
-        if tracing.enabled():
-            trace.get_current_span().set_attributes({
-                "specinfer.batch_size": len(trees), "specinfer.node_budget": budget,
-                "specinfer.tree_nodes": nodes, "specinfer.engine_seconds": seconds})
+        self._observe(request.items, trees, seconds)
         return speculator_pb2.SpeculateResponse(results=[
             speculator_pb2.SpeculateResult(sequence_id=item.sequence_id, tree=tree_to_proto(t))
             for item, t in zip(request.items, trees, strict=True)

@@ -305,9 +305,6 @@ class VerifierEngine:
             if root != seq.root:
                 raise InvalidArgument(f"items[{i}].root_token", f"is {root}, but the sequence's "
                                       f"last token is {seq.root}")
-            if nodes and len(tree):
-                raise InvalidArgument(f"items[{i}].draft_nodes",
-                                      "set with a tree: send a tree or ask for a draft, not both")
             if draft_head[i] and self.head_drafter is None:
                 raise InvalidArgument(f"items[{i}].draft_head", "this verifier has no draft "
                                       "head (Info.draft_head)")
@@ -329,13 +326,16 @@ class VerifierEngine:
             trees.append(tree)
         budgets = [min(n, self.config.max_context - s.cached - 1) if n else 0
                    for s, n in zip(seqs, draft_nodes, strict=True)]
-        head_trees = self._head_trees(seqs, budgets, draft_head)  # all items are valid: draft
+        for i, (tree, nodes) in enumerate(zip(trees, budgets, strict=True)):
+            if nodes and len(tree) > nodes:
+                raise InvalidArgument(f"items[{i}].tree", f"{len(tree)} nodes do not fit in "
+                                      f"draft_nodes {nodes}: a merged step's tree must")
+        # The head drafts in the room a sent tree leaves; all items are valid: draft.
+        head_trees = self._head_trees(seqs, [n - len(t) if n else 0 for n, t in zip(
+            budgets, trees, strict=True)], draft_head)
         for i, (seq, nodes) in enumerate(zip(seqs, budgets, strict=True)):
             if nodes > 0:
-                model_free = self._model_free_tree(seq, nodes)
-                # The head's sampled drafts come first: a cut may only drop one-hot drafts.
-                trees[i] = model_free if i not in head_trees else \
-                    merge_trees([head_trees[i], model_free], max_nodes=nodes)
+                trees[i] = self._merged_tree(seq, nodes, head_trees.get(i), trees[i])
         now = time.monotonic()
         for seq in seqs:
             seq.touched = now
@@ -372,6 +372,30 @@ class VerifierEngine:
                 out[b, : len(paths)] = process_logits(
                     out[b, : len(paths)], seq.params, seq.tokens[: seq.prompt_length],
                     seq.tokens[seq.prompt_length:], paths)
+        return out
+
+    def _merged_tree(self, seq: SequenceState, nodes: int, head: TokenTree | None,
+                     sent: TokenTree) -> TokenTree:
+        """The verifier's own drafts for a step, at most ``nodes`` nodes: the draft head's
+        tree, then the tree the router sent (the speculator's, its sources numbered after
+        the verifier's own), then model-free drafts in what room is left. Sampled drafts
+        come first and are never cut (cutting one but keeping a later sample of the same
+        source would bias MSS); only the one-hot model-free drafts are."""
+        # The head drafted at most nodes - len(sent): the sampled drafts all fit.
+        sampled = merge_trees([t for t in (head, self._after_own_sources(sent))
+                               if t is not None and len(t)])
+        return merge_trees([sampled, self._model_free_tree(seq, nodes)], max_nodes=nodes)
+
+    def _after_own_sources(self, tree: TokenTree) -> TokenTree:
+        """``tree`` with its draft sources renumbered after the verifier's own (model-free,
+        then the draft head): a merged tree's sources must be distinct for MSS."""
+        if not len(tree):
+            return tree
+        base = self.model_free.source + self.model_free.sources + (self.head_drafter is not None)
+        out = TokenTree()
+        for tok, parent, drafts in zip(tree.tokens, tree.parents, tree.drafts, strict=True):
+            out.add(parent, tok, [dataclasses.replace(d, source=d.source + base)
+                                  for d in drafts])
         return out
 
     def _head_trees(self, seqs: list[SequenceState], budgets: list[int],

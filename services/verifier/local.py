@@ -44,9 +44,9 @@ def generate_local(
     draft_nodes: int = 0,
     draft_head: bool = False,
 ) -> list[LocalResult]:
-    """Decode a batch to ``max_new_tokens`` each (or a stop token, which is kept). With no
-    ``trees``, ``draft_nodes > 0`` has the verifier draft each step's trees itself (model-free
-    drafts, after its draft head's with ``draft_head``)."""
+    """Decode a batch to ``max_new_tokens`` each (or a stop token, which is kept).
+    ``draft_nodes > 0`` has the verifier draft each step's trees itself (model-free drafts,
+    after its draft head's with ``draft_head``), merged with ``trees``' when given."""
     params = params or SamplingParams()
     stop = set(engine.eos_token_ids if stop_token_ids is None else stop_token_ids)
     start = time.perf_counter()
@@ -72,8 +72,11 @@ def generate_local(
             else:
                 drafted = trees([history[sid] for sid in live])
                 t1 = time.perf_counter()
+                # With draft_nodes too: the verifier merges its own drafts into these trees.
                 out = engine.verify([(sid, history[sid][-1], t)
-                                     for sid, t in zip(live, drafted, strict=True)])
+                                     for sid, t in zip(live, drafted, strict=True)],
+                                    draft_nodes=[draft_nodes] * len(live),
+                                    draft_head=[draft_head and draft_nodes > 0] * len(live))
             t2 = time.perf_counter()
             for r in out:
                 res = results[r.sequence_id]

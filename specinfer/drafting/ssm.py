@@ -170,8 +170,8 @@ class SSMDrafter:
         slots, feeds, starts = [], [], []
         for req in requests:
             slot, cached = self._slot(req.sequence_id)
-            common = 0
             limit = min(len(cached), len(req.context) - 1)  # always re-feed the root
+            common = limit if req.context[:limit] == cached[:limit] else 0  # the usual case
             while common < limit and cached[common] == req.context[common]:
                 common += 1
             slots.append(slot)

@@ -48,3 +48,44 @@ class SpeculateResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SpeculateResult]
     def __init__(self, results: _Optional[_Iterable[_Union[SpeculateResult, _Mapping]]] = ...) -> None: ...
+
+class StreamItem(_message.Message):
+    __slots__ = ("sequence_id", "offset", "delta", "sampling", "tree")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    offset: int
+    delta: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    tree: TreeConfig
+    def __init__(self, sequence_id: _Optional[str] = ..., offset: _Optional[int] = ..., delta: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[TreeConfig, _Mapping]] = ...) -> None: ...
+
+class SpeculateStreamRequest(_message.Message):
+    __slots__ = ("step", "items", "release", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    items: _containers.RepeatedCompositeFieldContainer[StreamItem]
+    release: _containers.RepeatedScalarFieldContainer[str]
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, step: _Optional[int] = ..., items: _Optional[_Iterable[_Union[StreamItem, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SpeculateStreamResponse(_message.Message):
+    __slots__ = ("step", "results")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    results: _containers.RepeatedCompositeFieldContainer[SpeculateResult]
+    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SpeculateResult, _Mapping]]] = ...) -> None: ...

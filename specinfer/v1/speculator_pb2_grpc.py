@@ -39,6 +39,11 @@ class SpeculatorStub:
                 request_serializer=specinfer_dot_v1_dot_speculator__pb2.SpeculateRequest.SerializeToString,
                 response_deserializer=specinfer_dot_v1_dot_speculator__pb2.SpeculateResponse.FromString,
                 _registered_method=True)
+        self.SpeculateStream = channel.stream_stream(
+                '/specinfer.v1.Speculator/SpeculateStream',
+                request_serializer=specinfer_dot_v1_dot_speculator__pb2.SpeculateStreamRequest.SerializeToString,
+                response_deserializer=specinfer_dot_v1_dot_speculator__pb2.SpeculateStreamResponse.FromString,
+                _registered_method=True)
 
 
 class SpeculatorServicer:
@@ -50,6 +55,18 @@ class SpeculatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SpeculateStream(self, request_iterator, context):
+        """The router's long-lived form of Speculate: one stream per speculator replica. Each
+        request message is one step's batch, sending per sequence only the tokens accepted
+        since its last message on this stream (its full context the first time); the
+        speculator answers each message with that batch's trees, in order. What the stream
+        holds (contexts, and the SSM KV cached for them) lives and dies with it: a new stream
+        starts from full contexts, so any replica can take over.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SpeculatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +74,11 @@ def add_SpeculatorServicer_to_server(servicer, server):
                     servicer.Speculate,
                     request_deserializer=specinfer_dot_v1_dot_speculator__pb2.SpeculateRequest.FromString,
                     response_serializer=specinfer_dot_v1_dot_speculator__pb2.SpeculateResponse.SerializeToString,
+            ),
+            'SpeculateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SpeculateStream,
+                    request_deserializer=specinfer_dot_v1_dot_speculator__pb2.SpeculateStreamRequest.FromString,
+                    response_serializer=specinfer_dot_v1_dot_speculator__pb2.SpeculateStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +108,33 @@ class Speculator:
             '/specinfer.v1.Speculator/Speculate',
             specinfer_dot_v1_dot_speculator__pb2.SpeculateRequest.SerializeToString,
             specinfer_dot_v1_dot_speculator__pb2.SpeculateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SpeculateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specinfer.v1.Speculator/SpeculateStream',
+            specinfer_dot_v1_dot_speculator__pb2.SpeculateStreamRequest.SerializeToString,
+            specinfer_dot_v1_dot_speculator__pb2.SpeculateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,187 @@
+"""``SpeculateStream``: the same trees as the unary ``Speculate`` for the same contexts, step
+after step with accepted paths of every length, greedy and sampled, and after the stream is
+dropped and opened again; its refusals; and a router that drafts over it keeping greedy
+output identical while its speculator is killed and restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+
+import grpc
+import pytest
+from servers import free_port, service, stream_sessions, wait_serving
+
+from services.stack import stop_processes
+from specinfer.client import Client
+from specinfer.v1 import common_pb2, speculator_pb2, speculator_pb2_grpc
+
+GREEDY = common_pb2.SamplingParams()
+SAMPLED = common_pb2.SamplingParams(temperature=0.8, seed=11)
+TREE = speculator_pb2.TreeConfig(expansion=[1, 2, 1], max_nodes=32)
+
+
+@pytest.fixture(scope="module")
+def speculator(tiny_llama):
+    with service("speculator", "--llm", tiny_llama, "--ssm", tiny_llama, "--max-nodes", "32",
+                 "--max-context", "512") as (addr, _):
+        yield addr
+
+
+def same_tree(a: common_pb2.TokenTree, b: common_pb2.TokenTree) -> None:
+    assert list(a.tokens) == list(b.tokens) and list(a.parents) == list(b.parents)
+    for x, y in zip(a.drafts, b.drafts, strict=True):
+        for dx, dy in zip(x.drafts, y.drafts, strict=True):
+            assert (dx.source, dx.rank) == (dy.source, dy.rank)
+            assert list(dx.proposal.token_ids) == list(dy.proposal.token_ids)
+            assert list(dx.proposal.probs) == pytest.approx(list(dy.proposal.probs), abs=1e-4)
+
+
+class Stream:
+    """A SpeculateStream and what it holds, as the router keeps it."""
+
+    def __init__(self, stub) -> None:
+        self.call = stub.SpeculateStream()
+        self.sent: dict[str, int] = {}
+        self.step = 0
+
+    async def speculate(self, contexts: dict[str, list[int]], sampling,
+                        release=()) -> speculator_pb2.SpeculateStreamResponse:
+        self.step += 1
+        items = [speculator_pb2.StreamItem(
+            sequence_id=sid, offset=self.sent.get(sid, 0), delta=ctx[self.sent.get(sid, 0):],
+            sampling=sampling, tree=TREE) for sid, ctx in contexts.items()]
+        await self.call.write(speculator_pb2.SpeculateStreamRequest(
+            step=self.step, items=items, release=list(release)))
+        reply = await self.call.read()
+        assert reply.step == self.step
+        self.sent |= {sid: len(ctx) for sid, ctx in contexts.items()}
+        return reply
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_stream_and_unary_give_the_same_trees(speculator, sampling):
+    rng = random.Random(3)
+
+    async def run() -> int:
+        async with grpc.aio.insecure_channel(speculator) as channel:
+            stub = speculator_pb2_grpc.SpeculatorStub(channel)
+            contexts = {"a": [rng.randrange(128) for _ in range(40)],
+                        "b": [rng.randrange(128) for _ in range(7)]}
+            stream, streams, deltas = Stream(stub), 1, set()
+            for step in range(30):
+                if step == 15:  # dropped and opened again: full contexts, same trees
+                    stream.call.cancel()
+                    stream, streams = Stream(stub), streams + 1
+                got = await stream.speculate(contexts, sampling)
+                # The unary call, under other ids (its own SSM caches).
+                want = await stub.Speculate(speculator_pb2.SpeculateRequest(items=[
+                    speculator_pb2.SpeculateItem(sequence_id="unary-" + sid, context=ctx,
+                                                 sampling=sampling, tree=TREE)
+                    for sid, ctx in contexts.items()]), timeout=30)
+                for g, w in zip(got.results, want.results, strict=True):
+                    assert len(g.tree.tokens) > 0
+                    same_tree(g.tree, w.tree)
+                # The verifier accepts 0-4 tokens of the tree, plus its own next token.
+                for ctx in contexts.values():
+                    accepted = rng.randrange(5)
+                    ctx += [rng.randrange(128) for _ in range(accepted + 1)]
+                    deltas.add(accepted + 1)
+            stream.call.cancel()
+            assert deltas == {1, 2, 3, 4, 5}
+            return streams
+
+    assert asyncio.run(run()) == 2
+
+
+def test_stream_refusals_name_the_field(speculator):
+    async def refused(messages: list[speculator_pb2.SpeculateStreamRequest]):
+        async with grpc.aio.insecure_channel(speculator) as channel:
+            call = speculator_pb2_grpc.SpeculatorStub(channel).SpeculateStream()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                for m in messages:
+                    await call.write(m)
+                    reply = await call.read()
+                    assert reply.step == m.step
+            return err.value
+
+    def item(sid: str, offset: int, delta: list[int]) -> speculator_pb2.StreamItem:
+        return speculator_pb2.StreamItem(sequence_id=sid, offset=offset, delta=delta,
+                                         sampling=GREEDY, tree=TREE)
+
+    first = speculator_pb2.SpeculateStreamRequest(step=1, items=[item("s", 0, [1, 2, 3])])
+    # An offset the stream does not hold: resend from the start.
+    err = asyncio.run(refused([first, speculator_pb2.SpeculateStreamRequest(
+        step=2, items=[item("s", 5, [4])])]))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "items[0].offset" in err.details() and "holds 3 tokens" in err.details()
+    # A released sequence is gone.
+    err = asyncio.run(refused([first, speculator_pb2.SpeculateStreamRequest(
+        step=2, items=[item("s", 3, [4])], release=["s"])]))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # A token outside the vocabulary, an empty context, a sequence twice.
+    for bad, field in [(item("s", 0, [1, 999]), "items[0].context"),
+                       (item("s", 0, []), "items[0].context")]:
+        err = asyncio.run(refused([speculator_pb2.SpeculateStreamRequest(step=1, items=[bad])]))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.details()
+    err = asyncio.run(refused([speculator_pb2.SpeculateStreamRequest(
+        step=1, items=[item("s", 0, [1]), item("s", 0, [2])])]))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "items[1].sequence_id" in \
+        err.details()
+
+
+PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of", "1, 2, 3,"]
+
+
+def test_router_over_the_stream_survives_a_speculator_restart(tiny_chat_llm):
+    """Greedy output is identical with the stream, while its speculator is killed
+    mid-traffic (steps decode without it), and after a new one takes its address (a new
+    stream, from full contexts)."""
+    exe = [sys.executable, "-m", "services", "serve"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    vport, sport, rport = free_port(), free_port(), free_port()
+
+    def speculator_proc() -> subprocess.Popen:
+        return subprocess.Popen(exe + ["speculator", "--llm", tiny_chat_llm, "--ssm",
+                                       tiny_chat_llm, "--port", str(sport), "--datastore",
+                                       "none", "--threads", "1"], env=env)
+
+    procs = [subprocess.Popen(exe + ["verifier", "--llm", tiny_chat_llm, "--port", str(vport),
+                                     "--threads", "1", "--datastore", "none"], env=env),
+             speculator_proc()]
+    router = subprocess.Popen(exe + [
+        "router", "--llm", tiny_chat_llm, "--port", str(rport), "--http-port", "0",
+        "--verifier", f"127.0.0.1:{vport}", "--speculator", f"127.0.0.1:{sport}",
+        "--speculation", "always"], env=env)
+    procs.append(router)
+    addr = f"127.0.0.1:{rport}"
+    try:
+        wait_serving(f"127.0.0.1:{sport}", procs[1], 240)
+        wait_serving(addr, router, 240)
+        with Client(addr) as c:
+            reference = {p: c.generate(p, max_tokens=48, speculation=False).token_ids
+                         for p in PROMPTS}
+            for p in PROMPTS:  # over the stream
+                assert c.generate(p, max_tokens=48).token_ids == reference[p]
+
+        async def kill_mid_traffic():
+            started = asyncio.Event()
+            task = asyncio.create_task(stream_sessions(addr, PROMPTS, PROMPTS, 48, started,
+                                                       len(PROMPTS)))
+            await asyncio.wait_for(started.wait(), 60)
+            procs[1].kill()
+            return await task
+
+        for prompt, ids in asyncio.run(kill_mid_traffic()):
+            assert ids == reference[prompt]
+        procs[1].wait()
+        procs[1] = speculator_proc()
+        wait_serving(f"127.0.0.1:{sport}", procs[1], 240)
+        with Client(addr) as c:
+            for p in PROMPTS:
+                assert c.generate(p, max_tokens=48).token_ids == reference[p]
+    finally:
+        stop_processes(procs)
