@@ -174,8 +174,9 @@ def messages(draw, desc: descriptor.Descriptor, depth: int = 0):
             key, value = (field.message_type.fields_by_name[n] for n in ("key", "value"))
             entries = draw(st.one_of(
                 st.dictionaries(_scalar(key), _scalar(value), max_size=6),
-                st.builds(lambda n, v: {i: v for i in range(n)}, st.integers(100, 5000),
-                          _scalar(value))))
+                st.builds(lambda n, v, text=key.type == F.TYPE_STRING:
+                          {(f"k{i}" if text else i): v for i in range(n)},
+                          st.integers(100, 5000), _scalar(value))))
             getattr(msg, field.name).update(entries)
         elif field.type == F.TYPE_MESSAGE:
             element = messages(field.message_type, depth + 1)
