@@ -3,9 +3,11 @@ MT-Bench streams each, runs interleaved (mode A, B, C, A, B, C, ...) so drift ca
 
 Answers "does micro-batch overlap pay here": ``overlap`` drafts for one half of the batch
 while the other half is verified; ``always`` drafts for the whole batch, then verifies it.
-The mode ``off`` is a stack whose requests all ask for no speculation: the baseline.
+The mode ``off`` is a stack whose requests all ask for no speculation: the baseline. Also
+prints each stack's share of steps by speculation mode (what ``adaptive`` chose).
 
-    python bench/modes.py [--modes off,always,overlap,adaptive,lookup] [--streams 4] [--reps 3]
+    python bench/modes.py [--modes off,always,overlap,adaptive,lookup,head,merged] [--streams 4]
+                          [--reps 3]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -45,6 +48,19 @@ async def _load(addr: str, prompts: list[str], streams: int, new_tokens: int,
         return sum(o.completion_tokens for o in outs) / (time.perf_counter() - t)
 
 
+def _step_shares(http_port: int) -> dict[str, float]:
+    """The router's steps by speculation mode (``specinfer:steps_total``), as shares, over
+    the whole run (warm-up included)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read()
+    steps: dict[str, float] = {}
+    for line in text.decode().splitlines():
+        if line.startswith("specinfer:steps_total{"):
+            mode = line.split('mode="', 1)[1].split('"', 1)[0]
+            steps[mode] = steps.get(mode, 0.0) + float(line.rsplit(" ", 1)[1])
+    total = sum(steps.values()) or 1.0
+    return {m: n / total for m, n in sorted(steps.items(), key=lambda kv: -kv[1])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
@@ -57,13 +73,14 @@ def main() -> None:
     tok = load_tokenizer(DEFAULT_LLM)
     prompts = [tok.decode(chat_prompt_ids(tok, p)) for _, p in mtbench_first_turns(1)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    stacks = {}
+    stacks, http_ports, shares = {}, {}, {}
     try:
         for mode in args.modes.split(","):
-            port = free_port()
+            port, http_ports[mode] = free_port(), free_port()
             stacks[mode] = (port, subprocess.Popen(
                 [sys.executable, "-m", "services", "up", "--port", str(port),
-                 "--http-port", "0", "--speculation", "adaptive" if mode == "off" else mode,
+                 "--http-port", str(http_ports[mode]),
+                 "--speculation", "adaptive" if mode == "off" else mode,
                  "--slots", str(max(8, args.streams))],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             _wait(f"127.0.0.1:{port}", stacks[mode][1])  # one at a time: they share cores
@@ -76,6 +93,7 @@ def main() -> None:
                 rates[mode].append(asyncio.run(_load(f"127.0.0.1:{port}", prompts,
                                                      args.streams, args.new_tokens,
                                                      mode != "off", rep * args.streams)))
+        shares = {mode: _step_shares(http_ports[mode]) for mode in stacks}
     finally:
         for _, proc in stacks.values():
             proc.send_signal(signal.SIGTERM)
@@ -87,7 +105,9 @@ def main() -> None:
     for mode, r in rates.items():
         rows.append({"mode": mode, "output_tokens_per_s": statistics.median(r),
                      "spread": [min(r), max(r)], "runs": r})
-        print(f"{mode:<10} {statistics.median(r):>10.1f} {min(r):>6.1f}–{max(r):<6.1f}")
+        print(f"{mode:<10} {statistics.median(r):>10.1f} {min(r):>6.1f}–{max(r):<6.1f}  "
+              "steps: " + ", ".join(f"{m} {100 * v:.0f}%" for m, v in shares[mode].items()))
+        rows[-1]["step_shares"] = shares[mode]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"streams": args.streams, "new_tokens":
                                           args.new_tokens, "modes": rows}, indent=2))
