@@ -133,6 +133,36 @@ def test_stream_refusals_name_the_field(speculator):
         err.details()
 
 
+def test_the_ssm_feeds_only_the_accepted_delta(tiny_llama):
+    """Each step an SSM drafts from its cached KV plus the tokens accepted since (its tree
+    nodes' KV is overwritten by them), and its trees equal a cold SSM's."""
+    from specinfer.drafting import DraftRequest
+    from specinfer.drafting.ssm import SSMDrafter
+    from specinfer.models import load_ssm
+
+    def drafter() -> SSMDrafter:
+        return SSMDrafter(load_ssm(tiny_llama)[0], 0, slots=2, max_context=256)
+
+    warm, fed = drafter(), []
+    catch_up = warm._catch_up
+
+    def counting(slots, feeds, starts, features=None):
+        fed.append([len(f) for f in feeds])
+        return catch_up(slots, feeds, starts, features)
+
+    warm._catch_up = counting
+    rng = random.Random(5)
+    context = [rng.randrange(128) for _ in range(50)]
+    new = len(context)  # tokens the SSM has not seen: all of them at first
+    for step in range(8):
+        tree = warm.propose([DraftRequest("s", list(context), [2, 1, 1])])[0]
+        assert fed[-1] == [new], fed
+        cold = drafter().propose([DraftRequest("s", list(context), [2, 1, 1])])[0]
+        assert tree.tokens == cold.tokens and tree.parents == cold.parents
+        new = step % 4 + 1  # an accepted path of 0-3 tokens and the bonus token
+        context += [rng.randrange(128) for _ in range(new)]
+
+
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of", "1, 2, 3,"]
 
 
