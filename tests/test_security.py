@@ -25,7 +25,7 @@ from services.router.limits import KeyStreams
 from services.stack import stop_processes
 from specinfer.client import AuthenticationError, Client, InvalidRequestError, OverloadedError
 from specinfer.errors import ResourceExhausted, Unauthenticated
-from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
+from specinfer.v1 import speculator_pb2, speculator_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 KEYS = ("sk-first-0123456789", "sk-second-abcdef")
 ENV_KEY = "sk-from-env-777"
@@ -100,7 +100,8 @@ def stack(tiny_chat_llm, pki, tmp_path_factory):
         _wait_tls(f"127.0.0.1:{ports['router']}", ca, router)
         yield {"addr": f"127.0.0.1:{ports['router']}",
                "https": f"https://127.0.0.1:{ports['http']}",
-               "verifier": f"127.0.0.1:{ports['verifier']}", "log": log, **pki}
+               "verifier": f"127.0.0.1:{ports['verifier']}",
+               "speculator": f"127.0.0.1:{ports['speculator']}", "log": log, **pki}
     finally:
         stop_processes(procs)
 
@@ -201,17 +202,36 @@ def _verifier_info(stack, credentials) -> grpc.StatusCode:
         channel.close()
 
 
-def test_a_verifier_accepts_only_certificates_of_its_ca(stack):
+def _speculator_stream(stack, credentials) -> grpc.StatusCode:
+    """One SpeculateStream message and its answer."""
+    channel = grpc.secure_channel(stack["speculator"], credentials) if credentials \
+        else grpc.insecure_channel(stack["speculator"])
+    message = speculator_pb2.SpeculateStreamRequest(step=1, items=[
+        speculator_pb2.StreamItem(sequence_id="s", delta=[1, 42, 7])])
+    try:
+        replies = speculator_pb2_grpc.SpeculatorStub(channel).SpeculateStream(
+            iter([message]), timeout=10)
+        assert [r.step for r in replies] == [1]
+        return grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        return exc.code()
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("call", [_verifier_info, _speculator_stream],
+                         ids=["verifier Info", "speculator SpeculateStream"])
+def test_internal_services_accept_only_certificates_of_their_ca(stack, call):
     def read(name: str) -> bytes:
         return _read(stack[name])
 
     ca = read("ca")
-    assert _verifier_info(stack, grpc.ssl_channel_credentials(
+    assert call(stack, grpc.ssl_channel_credentials(
         ca, read("key"), read("cert"))) == grpc.StatusCode.OK
-    assert _verifier_info(stack, None) == grpc.StatusCode.UNAVAILABLE  # plaintext
-    assert _verifier_info(stack, grpc.ssl_channel_credentials(ca)) == \
+    assert call(stack, None) == grpc.StatusCode.UNAVAILABLE  # plaintext
+    assert call(stack, grpc.ssl_channel_credentials(ca)) == \
         grpc.StatusCode.UNAVAILABLE  # no client certificate
-    assert _verifier_info(stack, grpc.ssl_channel_credentials(
+    assert call(stack, grpc.ssl_channel_credentials(
         ca, read("other_key"), read("other_cert"))) == grpc.StatusCode.UNAVAILABLE
 
 
