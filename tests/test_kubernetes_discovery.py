@@ -1,5 +1,6 @@
 """The router follows a Service's EndpointSlices while it serves (``--discovery
-kubernetes``): verifiers added mid-traffic take new sessions and move no live one, a
+kubernetes``): it serves while the pool is at zero (requests queue until a verifier is
+ready), verifiers added mid-traffic take new sessions and move no live one, a
 verifier whose endpoint turns terminating has its sequences moved, a ``410 Gone`` and a
 missed change are repaired by re-listing, a watch that goes silent while a verifier dies is
 survived (failover, then the re-list drops it) -- and every request completes with greedy
@@ -39,6 +40,11 @@ def router_view(http: str) -> dict[str, float]:
     """The verifiers the router knows (its replica_healthy series): address -> 1 usable."""
     return {REPLICA.search(k).group(1): v for k, v in scrape(f"{http}/metrics").items()
             if k.startswith("specinfer:replica_healthy{") and 'role="verifier"' in k}
+
+
+def waiting(http: str) -> float:
+    return sum(v for k, v in scrape(f"{http}/metrics").items()
+               if k.startswith("specinfer:num_requests_waiting"))
 
 
 def prefill_tokens(metrics_url: str) -> float:
@@ -89,9 +95,10 @@ async def test_router_follows_endpointslices(kmock, tiny_chat_llm, tmp_path):
     try:
         await asyncio.gather(*(asyncio.to_thread(wait_serving, a, p, 240)
                                for a, p in verifiers.items()))
-        # At start the Service has v0 ready and v1 not yet ready; v2 is not in it.
+        # At start the Service has no ready endpoint (the pool scaled to zero): v0 and v1
+        # are not ready yet; v2 is not in it.
         await api.create(endpoint_slice("verifier-a", SERVICE, [
-            (HOSTS[0], True, None), (HOSTS[1], False, None)], ports=[("grpc", port)]))
+            (HOSTS[0], False, None), (HOSTS[1], False, None)], ports=[("grpc", port)]))
         rport, http_port = free_port(), free_port()
         raddr, http = f"127.0.0.1:{rport}", f"http://127.0.0.1:{http_port}"
         router = subprocess.Popen(exe + [
@@ -101,12 +108,22 @@ async def test_router_follows_endpointslices(kmock, tiny_chat_llm, tmp_path):
             "--discovery-interval", "2"],
             env={**env, "KUBECONFIG": str(write_kubeconfig(tmp_path / "kubeconfig",
                                                            kmock.url))})
+        # 0. Scale from zero: the router serves with no verifier, queues a request (what
+        # num_requests_waiting shows an autoscaler), and runs it once v0 turns ready.
         await asyncio.to_thread(wait_serving, raddr, router, 240)
-        assert await asyncio.to_thread(router_view, http) == {v0: 1.0}
+        assert await asyncio.to_thread(router_view, http) == {}
         async with AsyncClient(raddr) as client:
+            first = asyncio.create_task(client.generate(PROMPTS[0], max_tokens=MAX_TOKENS))
+            await until(lambda: waiting(http) == 1, "the request queued")
+            await api.patch("verifier-a", {"endpoints": [
+                {"addresses": [HOSTS[0]], "conditions": {"ready": True}},
+                {"addresses": [HOSTS[1]], "conditions": {"ready": False}}]})
+            first = await asyncio.wait_for(first, 60)
+            assert await asyncio.to_thread(router_view, http) == {v0: 1.0}
             reference = {p: (await client.generate(p, max_tokens=MAX_TOKENS,
                                                    speculation=False)).token_ids
                          for p in PROMPTS}
+        assert first.token_ids == reference[PROMPTS[0]]
 
         def check(results: list[tuple[str, list[int]]]) -> None:
             assert len(results) == len(sessions)

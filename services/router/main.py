@@ -122,8 +122,18 @@ async def serve(args: argparse.Namespace, grace_s: float = 10.0) -> None:
         pool.update(addresses)
 
     await source.start(on_change)
-    info = await scheduler.start()  # once a verifier answers: until then NOT_SERVING
+    # Static addresses: NOT_SERVING until a verifier answers. Discovered pools may be
+    # scaled to zero: serve at once, queue requests until a verifier joins (the queue is
+    # what num_requests_waiting shows the autoscaler), the LLM's own config standing in
+    # for the verifier's facts until then.
+    wait = args.discovery == "static"
+    info = await scheduler.start(wait_for_verifier=wait)
+    adopt = None
+    if info is None:
+        info = await loop.run_in_executor(None, _llm_facts, args.llm)
     frontend = Frontend(tokenizer, model_name, info["vocab_size"], info["dtype"], args.limits)
+    if info["dtype"] == "unknown":
+        adopt = asyncio.ensure_future(_adopt_first_verifier(scheduler.replicas, frontend))
     servicer.scheduler, servicer.fe = scheduler, frontend
     http = None
     if args.http_port:
@@ -136,12 +146,32 @@ async def serve(args: argparse.Namespace, grace_s: float = 10.0) -> None:
                                     "mutual_tls": bool(args.tls and args.tls.mutual)})
 
     async def stop() -> None:
+        if adopt is not None:
+            adopt.cancel()
         await source.close()
         if http is not None:
             await http.cleanup()
         await scheduler.close()
 
     await service.run_until_signal(grace_s, on_stop=stop)
+
+
+def _llm_facts(llm: str) -> dict:
+    """What the router needs of the model before a verifier has answered."""
+    from transformers import AutoConfig
+
+    from specinfer.models import materialize
+
+    config = AutoConfig.from_pretrained(materialize(llm))
+    return {"vocab_size": config.vocab_size, "dtype": "unknown"}
+
+
+async def _adopt_first_verifier(replicas, frontend) -> None:
+    """Once the first verifier joins, requests are checked against its facts."""
+    await replicas.joined.wait()
+    frontend.vocab_size, frontend.dtype = replicas.info.vocab_size, replicas.info.dtype
+    log.info("first verifier joined", extra={"vocab_size": frontend.vocab_size,
+                                              "dtype": frontend.dtype})
 
 
 def _positive_seconds(text: str) -> float:

@@ -52,12 +52,16 @@ class ReplicaSet:
     def replicas(self) -> list[Replica]:
         return list(self.by_address.values())
 
-    async def start(self, all_within_s: float = 60.0) -> verifier_pb2.InfoResponse:
+    async def start(self, all_within_s: float = 60.0,
+                    wait: bool = True) -> verifier_pb2.InfoResponse | None:
         """Start with the addresses given at construction; returns the first joined
         replica's Info once every replica has joined, or once one has and the others
-        have not within ``all_within_s`` (they join when they answer)."""
+        have not within ``all_within_s`` (they join when they answer). ``wait=False``:
+        return at once (None if no replica has joined yet)."""
         if self._initial:  # else discovery calls update
             self.update(frozenset(self._initial))
+        if not wait:
+            return self.info
         await self.joined.wait()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(all_within_s):

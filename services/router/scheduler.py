@@ -82,12 +82,17 @@ class Scheduler:
         self.metrics.watch_queues(lambda: len(self.running), lambda: len(self.waiting))
         self.replicas.on_change = self.wake.set  # sequences may move (_move_off_leaving)
 
-    async def start(self) -> dict:
+    async def start(self, wait_for_verifier: bool = True) -> dict | None:
         """Wait for the verifiers to join (every one given, or the first to answer, see
-        ``ReplicaSet.start``) and the speculators to serve; start the loop."""
-        info = await self.replicas.start()
-        await self.speculators.await_serving()
+        ``ReplicaSet.start``) and the speculators to serve; start the loop. Without
+        ``wait_for_verifier`` the loop starts at once (requests queue until a verifier
+        joins) and the result is None while none has."""
+        info = await self.replicas.start(wait=wait_for_verifier)
+        if wait_for_verifier:
+            await self.speculators.await_serving()
         self.task = asyncio.create_task(self._loop())
+        if info is None:
+            return None
         return {"vocab_size": info.vocab_size, "max_context": info.max_context,
                 "model": info.model, "dtype": info.dtype}
 
