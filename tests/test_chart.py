@@ -211,6 +211,14 @@ def test_validator_is_strict():
         kv.validate(doc, KUBE_VERSION, strict=True)
 
 
+def test_schema_offers_exactly_the_routers_speculation_modes():
+    from services.router.policy import SPECULATION_CHOICES
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    enum = schema["properties"]["router"]["properties"]["speculation"]["enum"]
+    assert set(enum) == set(SPECULATION_CHOICES)
+
+
 @pytest.mark.parametrize("values, field", [
     ({"verifier": {"tensorParallelSize": "two"}}, "/verifier/tensorParallelSize"),
     ({"verifier": {"tensorParallelSize": 0}}, "/verifier/tensorParallelSize"),
