@@ -101,4 +101,4 @@ def test_speculation_modes_load_without_torch():
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["['adaptive',", "'always',", "'head',", "'lookup',",
-                                  "'overlap']"]
+                                  "'merged',", "'overlap']"]
