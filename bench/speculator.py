@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from services.router.policy import MERGED
 from services.speculator.engine import SpeculateSpec, SpeculatorEngine
 from services.verifier.engine import EngineConfig
 from services.verifier.local import generate_local
@@ -41,6 +42,7 @@ from specinfer.drafting.ssm import SSMDrafter
 from specinfer.models import DEFAULT_LLM, default_pool, load_tokenizer
 from specinfer.sampling import SamplingParams
 
+MERGED_SHAPE = ",".join(str(w) for w in MERGED.expansion) or "old"  # what the router sends
 SHAPES = {
     "chain-3": [1, 1, 1],
     "chain-4": [1, 1, 1, 1],
@@ -161,8 +163,10 @@ def run_head(engine, prompts, new_tokens, params, expansion, max_nodes, dynamic)
 
 
 def run_merged(engine, spec_engine, prompts, new_tokens, params, ssm_nodes: int,
-               max_nodes: int) -> dict:
-    """The router's "merged" mode: the SSM pool's trees (at most ``ssm_nodes``) sent with
+               max_nodes: int, expansion: list[int] | None = None,
+               ssm_only: bool = True) -> dict:
+    """The router's "merged" mode: the SSM pool's trees (at most ``ssm_nodes``, of
+    ``expansion``; with ``ssm_only``, no model-free drafts from the speculator) sent with
     each Verify item, merged in the verifier with its head's tree (dynamic for greedy, in
     the room left) and model-free drafts, within ``max_nodes``."""
     engine.config.head_expansion = EngineConfig().head_expansion
@@ -170,8 +174,9 @@ def run_merged(engine, spec_engine, prompts, new_tokens, params, ssm_nodes: int,
     runs = []
     for k, p in enumerate(prompts):
         def trees(histories, k=k):
-            return spec_engine.speculate([SpeculateSpec(f"m{k}-{i}", h, params, [],
-                                                        ssm_nodes)
+            return spec_engine.speculate([SpeculateSpec(f"m{k}-{i}", h, params,
+                                                        list(expansion or []), ssm_nodes,
+                                                        ssm_only=ssm_only)
                                           for i, h in enumerate(histories)])
 
         runs.append(generate_local(engine, [p], new_tokens, trees=trees, params=params,
@@ -195,6 +200,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="4 prompts x 32 tokens, fewer configs")
     ap.add_argument("--merged-only", action="store_true",
                     help="only plain decoding, the head mode and the merged mode")
+    ap.add_argument("--merged-shapes", default=MERGED_SHAPE,
+                    help="SSM tree shapes of the merged mode, ';'-separated expansions "
+                         "(SSM-only trees; 'old' = the speculator's default tree with its "
+                         "model-free drafts)")
     ap.add_argument("--out", default="bench/results/speculator")
     args = ap.parse_args()
     if args.quick:
@@ -297,15 +306,21 @@ def main() -> None:
             # The router's "merged" mode: SSM trees (12 nodes) + head + model-free, 24 nodes.
             spec = SpeculatorEngine(drafters, vocab, prompt_lookup=True, datastore=store,
                                     max_nodes=64)
-            for name, params in (("merged: pool 12 + head + ngram+datastore, 24 nodes", greedy),
-                                 ("merged, T=0.7", stoch)):
-                for d in drafters:
-                    d.entries.clear()
-                r = run_merged(engine, spec, prompts, args.new_tokens, params, 12, 24)
-                r.update(config=name, expansion=list(spec.expansion))
-                results["configs"].append(r)
-                print(f"{name:<62} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
-                      f"{r['tokens_per_s'] / plain_tps:>9.2f}")
+            for shape in args.merged_shapes.split(";"):
+                old = shape.strip() == "old"
+                expansion = None if old else [int(w) for w in shape.split(",")]
+                label = "speculator default + its ngram+datastore" if old else \
+                    f"SSM-only {expansion}"
+                for name, params in ((f"merged: pool 12 ({label}) + head, 24 nodes", greedy),
+                                     (f"merged ({label}), T=0.7", stoch)):
+                    for d in drafters:
+                        d.entries.clear()
+                    r = run_merged(engine, spec, prompts, args.new_tokens, params, 12, 24,
+                                   expansion, ssm_only=not old)
+                    r.update(config=name, expansion=expansion or list(spec.expansion))
+                    results["configs"].append(r)
+                    print(f"{name:<62} {r['accepted_per_step']:>9.2f} "
+                          f"{r['tokens_per_s']:>7.1f} {r['tokens_per_s'] / plain_tps:>9.2f}")
         results["plain_tokens_per_s"] = plain_tps
     cuts = sorted(int(x) for x in args.lengths.split(",") if x.strip())
     if cuts:

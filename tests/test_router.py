@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from servers import free_port, service, wait_serving
+from servers import free_port, scrape, service, wait_serving
 
 from services.stack import stop_processes
 from specinfer.client import AsyncClient, Client, InvalidRequestError
@@ -267,8 +267,9 @@ def test_head_and_merged_modes_draft_with_the_verifiers_draft_head(stack, refere
                                                                   mode):
     """A verifier with a draft head (--draft-head) and a router in "head" mode: the
     verifier drafts each step's tree with its head and verifies it; no speculator. In
-    "merged" mode the speculator's SSM trees (over its stream) are merged into it. Greedy
-    output unchanged."""
+    "merged" mode the speculator's SSM trees (over its stream) are merged into it, at batch
+    1 drafted before the step, at batch 2 while the other micro-batch is verified
+    ("merged-overlap"). Greedy output unchanged, one request at a time and together."""
     import torch
 
     from specinfer.drafting.head import DraftHead
@@ -282,14 +283,31 @@ def test_head_and_merged_modes_draft_with_the_verifiers_draft_head(stack, refere
     cmd = stack["router_cmd"]
     speculator = ("--speculator", cmd[cmd.index("--speculator") + 1]) if mode == "merged" \
         else ()
+    http_port = free_port()
+
+    async def in_pairs() -> list:  # batches of 2: the router speculates up to 2 (default)
+        async with AsyncClient(router) as client:
+            return [out for i in range(0, len(PROMPTS), 2) for out in await asyncio.gather(
+                *(client.generate(p, max_tokens=24) for p in PROMPTS[i:i + 2]))]
+
     with service(*verifier) as (addr, _), \
             service("router", "--llm", tiny_chat_llm, "--verifier", addr, *speculator,
-                    "--speculation", mode, "--http-port", "0") as (router, _), \
+                    "--speculation", mode, "--http-port", str(http_port)) as (router, _), \
             Client(router) as client:
         outs = {p: client.generate(p, max_tokens=24) for p in PROMPTS}
+        batched = dict(zip(PROMPTS, asyncio.run(in_pairs()), strict=True))
+        steps = {k: v for k, v in scrape(f"http://127.0.0.1:{http_port}/metrics").items()
+                 if k.startswith("specinfer:steps_total")}
     for prompt, out in outs.items():
         assert out.token_ids == reference[prompt]
         assert out.stats.speculative_steps == out.steps  # every step drafted
+        assert batched[prompt].token_ids == reference[prompt]
+    by_mode = {m: sum(v for k, v in steps.items() if f'mode="{m}"' in k)
+               for m in ("head", "merged", "merged-overlap", "plain")}
+    if mode == "merged":
+        assert by_mode["merged"] > 0 and by_mode["merged-overlap"] > 0, by_mode
+    else:
+        assert by_mode["head"] > 0 and by_mode["merged-overlap"] == 0, by_mode
 
 
 def http_post(url: str, data: bytes) -> tuple[int, dict]:

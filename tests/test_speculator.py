@@ -42,6 +42,23 @@ def test_merged_tree_is_the_union_of_every_source(tiny_llama, second_llama):
     assert sources == {0, 1, 2}
 
 
+def test_ssm_only_trees_give_the_whole_budget_to_the_ssms(tiny_llama, second_llama):
+    """ssm_only (the router's merged mode, whose verifier adds the model-free drafts): no
+    prompt-lookup drafts, and the SSMs share the whole node budget."""
+    engine = SpeculatorEngine([drafter(tiny_llama, 0), drafter(second_llama, 1)], 128,
+                              max_nodes=60)
+    context = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
+    shared = engine.speculate([SpeculateSpec("a", context, expansion=[1] * 6, max_nodes=12)])[0]
+    only = engine.speculate([SpeculateSpec("b", context, expansion=[1] * 6, max_nodes=12,
+                                           ssm_only=True)])[0]
+    alone = [drafter(ref, i).propose([DraftRequest("x", context, [1] * 6, max_nodes=6)])[0]
+             for i, ref in enumerate((tiny_llama, second_llama))]
+    assert only.paths() == alone[0].paths() | alone[1].paths()
+    assert {d.source for drafts in only.drafts for d in drafts} == {0, 1}
+    assert 2 in {d.source for drafts in shared.drafts for d in drafts}  # lookup drafts
+    assert max(map(len, only.paths())) == 6 > max(map(len, shared.paths()))
+
+
 def test_truncated_ssm_reference(tiny_llama):
     model, vocab_ids = load_ssm(f"{tiny_llama}#layers=2")
     assert model.config.num_hidden_layers == 2 and len(model.model.layers) == 2

@@ -160,8 +160,10 @@ class SpeculatorPool:
             if member.down_until > now:
                 continue
             sampling = [sampling_to_proto(r.params) for r in reqs]
+            # Merged: the verifier makes the model-free drafts, so only the SSMs' here.
             configs = [speculator_pb2.TreeConfig(expansion=list(mode.expansion) or self.expansion,
-                                                 max_nodes=self.node_budget(r, budget, mode))
+                                                 max_nodes=self.node_budget(r, budget, mode),
+                                                 ssm_only=mode.merge_speculator)
                        for r in reqs]
             most = max(c.max_nodes for c in configs)
             timeout = min(self.timeout_s, hop_timeout(reqs, self.step_timeout_s))

@@ -7,6 +7,7 @@ index the policy chooses is an index into the router's tuple of modes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -52,6 +53,9 @@ HEAD = SpeculationMode("head", max_nodes=16, in_verifier=True, draft_head=True)
 # tree of up to 24 nodes, verified at once (each source's q recorded for MSS).
 MERGED = SpeculationMode("merged", max_nodes=24, in_verifier=True, draft_head=True,
                          merge_speculator=True)
+# The same with two micro-batches: the speculator drafts one's SSM trees while the verifier
+# runs the other's step (batches of 2 or more sequences).
+MERGED_OVERLAP = dataclasses.replace(MERGED, name="merged-overlap", overlap=True)
 ADAPTIVE_MODES = (
     PLAIN,
     LOOKUP,
@@ -60,11 +64,13 @@ ADAPTIVE_MODES = (
     TREE,
     TREE_OVERLAP,
     MERGED,
+    MERGED_OVERLAP,
 )
-# --speculation: adaptive, or one mode on every step it can run (plain decoding where not).
+# --speculation: adaptive, or fixed modes: on each step the first of them that can run on
+# the batch (plain decoding where none can).
 SPECULATION_CHOICES = {"adaptive": ADAPTIVE_MODES, "always": (PLAIN, TREE),
                        "overlap": (PLAIN, TREE_OVERLAP), "lookup": (PLAIN, LOOKUP),
-                       "head": (PLAIN, HEAD), "merged": (PLAIN, MERGED)}
+                       "head": (PLAIN, HEAD), "merged": (PLAIN, MERGED_OVERLAP, MERGED)}
 
 
 class SpeculationPolicy:

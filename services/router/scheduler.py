@@ -64,7 +64,7 @@ class Scheduler:
         self.queue_timeout_s = queue_timeout_s
         self.spec_max_batch = spec_max_batch
         self.modes = SPECULATION_CHOICES[speculation]  # mode 0: plain decoding
-        self.policy = SpeculationPolicy(len(self.modes)) if len(self.modes) > 2 else None
+        self.policy = SpeculationPolicy(len(self.modes)) if speculation == "adaptive" else None
         # The verifier's model-free modes are measured on every step, not only when they
         # run: it drafts (without verifying) the largest of their trees for the next step,
         # and what the sequence then emits shows how each would have fared.
@@ -276,8 +276,16 @@ class Scheduler:
         # gets a smaller tree.
         budget = max(4, 64 // max(1, len(speculate)))
         if mode.overlap and len(speculate) >= 2:
+            verify, drafting = self._verify_all, mode
+            if mode.in_verifier:  # merged: SSM trees in half the budget, as below
+                drafting = dataclasses.replace(mode, max_nodes=mode.max_nodes // 2)
+                nodes = {r.id: self.speculators.node_budget(r, budget, mode) for r in speculate}
+
+                async def verify(reqs: list[GenRequest], trees: Trees) -> None:
+                    await self._verify_all(reqs, trees, nodes, draft_head=mode.draft_head)
             drafted = await self.speculators.overlapped_step(
-                batch, speculate, budget, mode, self._verify_all, lambda r: r in self.running)
+                batch, speculate, budget, drafting, verify, lambda r: r in self.running
+            ) or mode.in_verifier
         else:
             self.speculators.prefetched.clear()
             shadow = len(batch) <= self.spec_max_batch
@@ -313,7 +321,8 @@ class Scheduler:
         if not speculate or len(batch) > self.spec_max_batch:
             return 0
         if self.policy is None:
-            return 1 if self._can_run(self.modes[1], len(speculate)) else 0
+            return next((i for i, m in enumerate(self.modes) if i
+                         and self._can_run(m, len(speculate))), 0)
         return self.policy.choose(len(batch), greedy, skip=frozenset(
             i for i, m in enumerate(self.modes) if not self._can_run(m, len(speculate))),
             sequences=tuple(r.id for r in speculate))

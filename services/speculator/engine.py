@@ -39,6 +39,7 @@ class SpeculateSpec:
     expansion: list[int] = field(default_factory=list)  # empty = server default
     max_nodes: int = 0  # 0 = server default
     dynamic: bool = False
+    ssm_only: bool = False  # no model-free drafts: the SSMs share the whole budget
 
 
 class SpeculatorEngine:
@@ -89,15 +90,15 @@ class SpeculatorEngine:
         self.validate(specs)
         budgets = [(s.max_nodes or self.max_nodes) for s in specs]
         use_ssm = [any(w > 0 for w in (s.expansion or self.expansion)) for s in specs]
-        cheap = self.model_free.sources
-        shares = [max(1, b // max(1, cheap + (len(self.pool) if ssm else 0)))
-                  for b, ssm in zip(budgets, use_ssm, strict=True)]
+        cheap = [0 if s.ssm_only else self.model_free.sources for s in specs]
+        shares = [max(1, b // max(1, c + (len(self.pool) if ssm else 0)))
+                  for b, c, ssm in zip(budgets, cheap, use_ssm, strict=True)]
         trees: list[list[TokenTree]] = [[] for _ in specs]
 
         # Model-free drafts first: deterministic, so they may be cut to their share.
-        if cheap:
-            for i, s in enumerate(specs):
-                trees[i].append(self.model_free.tree(s.context, shares[i] * cheap))
+        for i, s in enumerate(specs):
+            if cheap[i]:
+                trees[i].append(self.model_free.tree(s.context, shares[i] * cheap[i]))
 
         drafting = [i for i, ssm in enumerate(use_ssm) if ssm]
 

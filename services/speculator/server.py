@@ -35,7 +35,7 @@ def specs_from_proto(request: speculator_pb2.SpeculateRequest) -> list[Speculate
         params = sampling_from_proto(item.sampling, f"items[{i}].sampling")
         specs.append(SpeculateSpec(item.sequence_id, list(item.context), params,
                                    list(item.tree.expansion), item.tree.max_nodes,
-                                   item.tree.dynamic))
+                                   item.tree.dynamic, item.tree.ssm_only))
     return specs
 
 
@@ -77,7 +77,7 @@ class StreamContexts:
             params = sampling_from_proto(item.sampling, f"items[{i}].sampling")
             specs.append(SpeculateSpec(sid, held + list(item.delta), params,
                                        list(item.tree.expansion), item.tree.max_nodes,
-                                       item.tree.dynamic))
+                                       item.tree.dynamic, item.tree.ssm_only))
         if len(self.held.keys() | seen) > MAX_STREAM_SEQUENCES:
             raise ResourceExhausted(f"the stream would hold more than {MAX_STREAM_SEQUENCES} "
                                     "sequences; release those that ended")

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TreeConfig(_message.Message):
-    __slots__ = ("expansion", "max_nodes", "dynamic")
+    __slots__ = ("expansion", "max_nodes", "dynamic", "ssm_only")
     EXPANSION_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_FIELD_NUMBER: _ClassVar[int]
+    SSM_ONLY_FIELD_NUMBER: _ClassVar[int]
     expansion: _containers.RepeatedScalarFieldContainer[int]
     max_nodes: int
     dynamic: bool
-    def __init__(self, expansion: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., dynamic: _Optional[bool] = ...) -> None: ...
+    ssm_only: bool
+    def __init__(self, expansion: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., dynamic: _Optional[bool] = ..., ssm_only: _Optional[bool] = ...) -> None: ...
 
 class SpeculateItem(_message.Message):
     __slots__ = ("sequence_id", "context", "sampling", "tree")
