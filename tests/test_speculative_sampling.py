@@ -82,6 +82,7 @@ def test_the_verifiers_head_drafts_keep_the_distribution(tiny_llama, tmp_path, m
     """The same test for trees the verifier drafts itself: its draft head's sampled chain
     (source after the model-free ones) merged with prompt-lookup drafts, at T=0.8; and
     (merged) with an SSM's sampled tree sent with the item as well, the merged mode."""
+    from services.router.policy import MERGED
     from specinfer.drafting.head import DraftHead
     from specinfer.training.head import save_head
 
@@ -94,11 +95,12 @@ def test_the_verifiers_head_drafts_keep_the_distribution(tiny_llama, tmp_path, m
     if merged:
         model, _ = load_ssm(f"{tiny_llama}#layers=2")
         spec = SpeculatorEngine([SSMDrafter(model, 0, slots=4, max_context=64)], 128,
-                                expansion=[2, 1], max_nodes=16, prompt_lookup=False)
+                                max_nodes=16)
         counter = iter(range(10**9))
 
-        def trees(histories):
-            return spec.speculate([SpeculateSpec(f"m{next(counter)}", h, params, max_nodes=4)
+        def trees(histories):  # what the router's merged mode asks for: SSM-only, its shape
+            return spec.speculate([SpeculateSpec(f"m{next(counter)}", h, params,
+                                                 list(MERGED.expansion), 4, ssm_only=True)
                                    for h in histories])
     prompt = [5, 17, 33, 2, 90, 5, 17]
     on, off, steps = [], [], 0

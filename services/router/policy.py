@@ -50,9 +50,11 @@ LOOKUP = SpeculationMode("lookup-2", max_nodes=2, in_verifier=True)
 # 8 nodes accept fewer and, on a 2-core CPU, ran no faster); no Speculate call either.
 HEAD = SpeculationMode("head", max_nodes=16, in_verifier=True, draft_head=True)
 # The paper's merge: the SSM pool's trees, the draft head's and the model-free drafts in one
-# tree of up to 24 nodes, verified at once (each source's q recorded for MSS).
-MERGED = SpeculationMode("merged", max_nodes=24, in_verifier=True, draft_head=True,
-                         merge_speculator=True)
+# tree of up to 24 nodes, verified at once (each source's q recorded for MSS). The SSMs
+# draft only their own trees (the verifier adds the model-free drafts), each 3 children
+# then one more level: the best of the shapes bench/speculator.py --merged-shapes tried.
+MERGED = SpeculationMode("merged", expansion=(3, 1), max_nodes=24, in_verifier=True,
+                         draft_head=True, merge_speculator=True)
 # The same with two micro-batches: the speculator drafts one's SSM trees while the verifier
 # runs the other's step (batches of 2 or more sequences).
 MERGED_OVERLAP = dataclasses.replace(MERGED, name="merged-overlap", overlap=True)
