@@ -277,9 +277,8 @@ class Scheduler:
         budget = max(4, 64 // max(1, len(speculate)))
         if mode.overlap and len(speculate) >= 2:
             verify, drafting = self._verify_all, mode
-            if mode.in_verifier:  # merged: SSM trees in half the budget, as below
-                drafting = dataclasses.replace(mode, max_nodes=mode.max_nodes // 2)
-                nodes = {r.id: self.speculators.node_budget(r, budget, mode) for r in speculate}
+            if mode.in_verifier:  # merged
+                drafting, nodes = self._verifier_drafting(mode, budget, speculate)
 
                 async def verify(reqs: list[GenRequest], trees: Trees) -> None:
                     await self._verify_all(reqs, trees, nodes, draft_head=mode.draft_head)
@@ -290,14 +289,10 @@ class Scheduler:
             self.speculators.prefetched.clear()
             shadow = len(batch) <= self.spec_max_batch
             if mode.in_verifier:
-                # Merged: the SSM trees get half the budget, the verifier's own drafts the
-                # room they leave.
-                trees = await self.speculators.speculate(
-                    speculate, budget, dataclasses.replace(mode, max_nodes=mode.max_nodes // 2)
-                ) if mode.merge_speculator else {}
-                await self._verify_all(batch, trees, {
-                    r.id: self.speculators.node_budget(r, budget, mode) for r in speculate},
-                    shadow, mode.draft_head)
+                drafting, nodes = self._verifier_drafting(mode, budget, speculate)
+                trees = await self.speculators.speculate(speculate, budget, drafting) \
+                    if mode.merge_speculator else {}
+                await self._verify_all(batch, trees, nodes, shadow, mode.draft_head)
                 drafted = True
             else:
                 trees = await self.speculators.speculate(speculate, budget, mode)
@@ -312,6 +307,14 @@ class Scheduler:
                                time.monotonic() - started,
                                {r.id: len(r.generated) - before[r.id] for r in speculate}
                                if measured else None)
+
+    def _verifier_drafting(self, mode: SpeculationMode, budget: int,
+                           speculate: list[GenRequest]) -> tuple[SpeculationMode, dict[str, int]]:
+        """For a mode the verifier drafts in: the mode the speculator's SSM trees are asked
+        in (merged: half the node budget) and each sequence's whole budget, which the
+        verifier's own drafts fill after the SSM trees."""
+        return (dataclasses.replace(mode, max_nodes=mode.max_nodes // 2),
+                {r.id: self.speculators.node_budget(r, budget, mode) for r in speculate})
 
     def _choose_mode(self, batch: list[GenRequest], speculate: list[GenRequest],
                      greedy: bool) -> int:

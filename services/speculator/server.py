@@ -26,6 +26,12 @@ MAX_ITEMS = 1024  # sequences per Speculate call: a router's batch is far smalle
 MAX_STREAM_SEQUENCES = 4096  # sequences one SpeculateStream holds (the router releases them)
 
 
+def _spec(sequence_id: str, context: list[int], params,
+          tree: speculator_pb2.TreeConfig) -> SpeculateSpec:
+    return SpeculateSpec(sequence_id, context, params, list(tree.expansion), tree.max_nodes,
+                         tree.dynamic, tree.ssm_only)
+
+
 def specs_from_proto(request: speculator_pb2.SpeculateRequest) -> list[SpeculateSpec]:
     if len(request.items) > MAX_ITEMS:  # one call must not hold the worker for minutes
         raise InvalidArgument("items", f"{len(request.items)} sequences; at most {MAX_ITEMS} "
@@ -33,9 +39,7 @@ def specs_from_proto(request: speculator_pb2.SpeculateRequest) -> list[Speculate
     specs = []
     for i, item in enumerate(request.items):
         params = sampling_from_proto(item.sampling, f"items[{i}].sampling")
-        specs.append(SpeculateSpec(item.sequence_id, list(item.context), params,
-                                   list(item.tree.expansion), item.tree.max_nodes,
-                                   item.tree.dynamic, item.tree.ssm_only))
+        specs.append(_spec(item.sequence_id, list(item.context), params, item.tree))
     return specs
 
 
@@ -75,9 +79,7 @@ class StreamContexts:
                     f"items[{i}].offset", f"the stream holds {len(held)} tokens of sequence "
                     f"{sid!r}, not {item.offset}; send its full context with offset 0")
             params = sampling_from_proto(item.sampling, f"items[{i}].sampling")
-            specs.append(SpeculateSpec(sid, held + list(item.delta), params,
-                                       list(item.tree.expansion), item.tree.max_nodes,
-                                       item.tree.dynamic, item.tree.ssm_only))
+            specs.append(_spec(sid, held + list(item.delta), params, item.tree))
         if len(self.held.keys() | seen) > MAX_STREAM_SEQUENCES:
             raise ResourceExhausted(f"the stream would hold more than {MAX_STREAM_SEQUENCES} "
                                     "sequences; release those that ended")
