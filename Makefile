@@ -37,8 +37,8 @@ proto: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# tests/test_chart.py (the Helm chart) runs once, inside this pytest run, like any test
-# file; `make chart` runs it alone. test depends on the checkov venv so its checkov test
+# tests/test_chart*.py (the Helm chart) run once, inside this pytest run, like any test
+# file; `make chart` runs them alone. test depends on the checkov venv so its checkov test
 # runs rather than skips.
 test: setup lint $(CHECKOV_STAMP)
 	$(VENV)/bin/pytest
@@ -48,7 +48,7 @@ test: setup lint $(CHECKOV_STAMP)
 # selectors, LWS, RBAC, security), the values schema refusing bad values, and checkov on
 # the rendered manifests. ~15 s.
 chart: setup $(CHECKOV_STAMP)
-	$(VENV)/bin/pytest tests/test_chart.py
+	$(VENV)/bin/pytest tests/test_chart.py tests/test_chart_workloads.py
 
 # checkov pins versions the project's own pins conflict with (packaging==23.2, ...): it
 # gets its own venv (CHECKOV_VENV, defined at the top). Idempotent (stamp file).

@@ -250,7 +250,7 @@ def main() -> None:
     # (name, static expansion, node budget, sampling, dynamic): the verifier's own trees,
     # the head drafting at most EngineConfig.head_nodes of them
     head_configs = []
-    if engine.head_drafter is not None:
+    if engine.drafts.head is not None:
         static = list(EngineConfig().head_expansion)
         head_configs = [("head chain-4", [1, 1, 1, 1], 4, greedy, False),
                         ("head dynamic + ngram+datastore, 16 nodes (default)", static, 16,
@@ -272,8 +272,8 @@ def main() -> None:
                "prompts": len(prompts), "new_tokens": args.new_tokens, "configs": []}
     if not args.lengths_only:  # the main table
         costed = [(f"ssm-{i + 1}", d) for i, d in enumerate(drafters)]
-        if engine.head_drafter is not None:
-            costed.append(("head", engine.head_drafter))
+        if engine.drafts.head is not None:
+            costed.append(("head", engine.drafts.head))
         results["draft_cost"] = []
         for name, d in costed:
             c = draft_cost(d, engine, prompts[0]) | {"drafter": name}
@@ -302,7 +302,7 @@ def main() -> None:
             results["configs"].append(r)
             print(f"{name:<62} {r['accepted_per_step']:>9.2f} {r['tokens_per_s']:>7.1f} "
                   f"{r['tokens_per_s'] / plain_tps:>9.2f}")
-        if engine.head_drafter is not None and drafters:
+        if engine.drafts.head is not None and drafters:
             # The router's "merged" mode: SSM trees (12 nodes) + head + model-free, 24 nodes.
             spec = SpeculatorEngine(drafters, vocab, prompt_lookup=True, datastore=store,
                                     max_nodes=64)
@@ -325,7 +325,7 @@ def main() -> None:
     cuts = sorted(int(x) for x in args.lengths.split(",") if x.strip())
     if cuts:
         profile = [("ngram+datastore, 6 nodes", 6, greedy, False)]
-        if engine.head_drafter is not None:
+        if engine.drafts.head is not None:
             profile += [("head (default tree) + ngram+datastore, 16 nodes", 16, greedy, True),
                         ("same, T=0.7", 16, stoch, True)]
         results["length_profile"] = length_profile(engine, prompts, cuts, profile)

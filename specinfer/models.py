@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -251,3 +252,12 @@ def quantize_linears(model, dtype: str):
         return quantize_dynamic(model, {torch.nn.Linear: qconfig},
                                 dtype=torch.float16 if dtype == "fp16" else torch.qint8,
                                 inplace=True)
+
+
+def pool_vocab(pool: Path) -> torch.Tensor:
+    """The reduced vocabulary a pool's SSMs share (ssm-1's), without loading a model."""
+    from safetensors import safe_open
+
+    spec = json.loads((pool / "ssm-1" / SSM_MANIFEST).read_text())
+    with safe_open(str(pool / "ssm-1" / spec["weights"]), "pt") as f:
+        return f.get_tensor("vocab_ids").long()

@@ -1,9 +1,9 @@
-"""Service discovery (services/router/discovery.py): static, DNS (real resolution, plus a
-DNS double for answers that change), and Kubernetes EndpointSlices through the real
-``kubernetes`` client talking HTTP to kmock's Kubernetes API double (``kmock`` fixture: a
-``kmock.KubernetesEmulator`` served by a ``kmock.Server``; objects changed over HTTP reach
-open watches as events, objects changed through ``kmock.objects`` do not: a change the
-router's watch missed)."""
+"""Service discovery (services/router/discovery.py and kubernetes_discovery.py): static, DNS
+(real resolution, plus a DNS double for answers that change), and Kubernetes EndpointSlices
+through the real ``kubernetes`` client talking HTTP to kmock's Kubernetes API double
+(``kmock`` fixture: a ``kmock.KubernetesEmulator`` served by a ``kmock.Server``; objects
+changed over HTTP reach open watches as events, objects changed through ``kmock.objects`` do
+not: a change the router's watch missed)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,9 @@ import pytest_asyncio
 from kube_api import LABEL, RES, Api, endpoint_slice, gone_once, is_watch, write_kubeconfig
 from kubernetes.aio import client as kclient
 
-from services.router import discovery
-from services.router.discovery import (
-    DiscoveryError,
-    DnsDiscovery,
-    KubernetesDiscovery,
-    ServiceTarget,
-    StaticDiscovery,
-)
+from services.router import discovery, kubernetes_discovery
+from services.router.discovery import DiscoveryError, DnsDiscovery, StaticDiscovery
+from services.router.kubernetes_discovery import KubernetesDiscovery, ServiceTarget
 
 
 class Recorder:
@@ -433,7 +428,7 @@ def test_from_flags_kubernetes_targets_and_namespace(tmp_path, monkeypatch):
     assert d.resync_s == 30.0
     default_ns = "default"
     with contextlib.suppress(OSError):  # in a pod: the service account's namespace
-        default_ns = Path(discovery.NAMESPACE_FILE).read_text().strip() or "default"
+        default_ns = Path(kubernetes_discovery.NAMESPACE_FILE).read_text().strip() or "default"
     assert d.targets["verifier"] == [ServiceTarget("ver", default_ns),
                                      ServiceTarget("ver2", "prod", 8000)]
     assert d.targets["speculator"] == [ServiceTarget("spec", default_ns, None, "http")]

@@ -140,8 +140,8 @@ def test_the_head_drafts_its_share_dynamic_for_greedy_static_for_sampled(head_en
     try:
         seqs = [head_engine.sequences["g"], head_engine.sequences["t"]]
         cfg.head_nodes, cfg.head_dynamic = 5, True
-        greedy, sampled = head_engine._head_trees(seqs, [16, 16], [True, True]).values()
-        drafter = head_engine.head_drafter
+        greedy, sampled = head_engine.drafts.head_trees(seqs, [16, 16], [True, True]).values()
+        drafter = head_engine.drafts.head
         want = drafter.propose([DraftRequest("x", seqs[0].tokens, [2, 1, 1], dynamic=True,
                                              max_nodes=5,
                                              features=seqs[0].features[: seqs[0].cached])])[0]
@@ -149,12 +149,12 @@ def test_the_head_drafts_its_share_dynamic_for_greedy_static_for_sampled(head_en
         assert len(sampled) <= 5 and len(sampled.children(-1)) <= 2
         assert max(sampled.depths) <= 3
         cfg.head_dynamic = False
-        static = head_engine._head_trees(seqs[:1], [16], [True])[0]
+        static = head_engine.drafts.head_trees(seqs[:1], [16], [True])[0]
         assert sorted(static.depths) == [1, 1, 2, 2, 3]  # (2, 1, 1) cut to 5 nodes
     finally:
         cfg.head_nodes, cfg.head_dynamic = saved
         head_engine.release(["g", "t"])
-        head_engine.head_drafter.forget("x")
+        head_engine.drafts.head.forget("x")
 
 
 def test_asking_a_verifier_without_a_head_for_its_drafts_fails(tiny_llama):

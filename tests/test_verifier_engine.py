@@ -276,8 +276,8 @@ def test_a_sent_tree_with_draft_nodes_is_merged_with_the_verifiers_drafts(engine
         assert 2 <= out.drafted_nodes <= 6  # the sent chain, model-free drafts if any
         tokens += out.tokens
         assert tokens == greedy(prompt, len(tokens))
-        own = engine.model_free.source + engine.model_free.sources
-        merged = engine._merged_tree(engine.sequences["m"], 6, None,
+        own = engine.drafts.model_free.source + engine.drafts.model_free.sources
+        merged = engine.drafts.merged_tree(engine.sequences["m"], 6, None,
                                      TokenTree.chain([3, 4]))
         assert {d.source for node in merged.drafts[:2] for d in node} >= {own}
     finally:

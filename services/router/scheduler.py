@@ -11,7 +11,7 @@ verifier that fails has its sequences re-prefilled on another replica from that 
 
 Around it: ``request`` (the records), ``policy`` (modes and the adaptive choice),
 ``replicas`` (affinity, failover, release), ``drafting`` (the speculator pool: calls,
-failover, overlap).
+failover, overlap), ``lifecycle`` (emitting, requeueing and ending a request).
 """
 
 from __future__ import annotations
@@ -25,22 +25,22 @@ from collections.abc import Callable
 import grpc
 
 from services.router.drafting import SpeculatorPool, Trees, together
+from services.router.lifecycle import RequestLifecycle
 from services.router.metrics import RouterMetrics
 from services.router.policy import SPECULATION_CHOICES, SpeculationMode, SpeculationPolicy
 from services.router.replicas import ReplicaSet
 from services.router.request import GenRequest, hop_timeout
-from services.router.request_span import close_request_span, open_request_span
+from services.router.request_span import open_request_span
 from specinfer import tracing
 from specinfer.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceError
 from specinfer.tls import TlsConfig
-from specinfer.tree import accepted_depth
 from specinfer.v1 import common_pb2, verifier_pb2
-from specinfer.wire import logprob_from_proto, sampling_to_proto
+from specinfer.wire import sampling_to_proto
 
 log = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(RequestLifecycle):
     def __init__(self, verifiers: list[str], speculators: list[str], *, eos_ids: list[int],
                  max_waiting: int = 64, spec_max_batch: int = 2,
                  expansion: list[int] | None = None, max_nodes: int = 0,
@@ -436,91 +436,6 @@ class Scheduler:
                 span.set_attributes({"specinfer.tree_nodes": sum(nodes),
                                      "specinfer.accepted_tokens": sum(tokens) - len(tokens)})
             return out
-
-    async def _emit(self, req: GenRequest, tokens: list[int],
-                    logprobs: list[common_pb2.TokenLogprob], step: bool,
-                    drafted: int = 0) -> None:
-        """Append a step's tokens and their logprobs (empty unless asked for) to the
-        request and its stream; ``step``: an LLM step (Verify/Decode), not the prefill's
-        first token, with a tree of ``drafted`` nodes."""
-        if req.params.logprobs is not None and len(logprobs) != len(tokens):
-            self._fail(req, ServiceError(f"the verifier returned {len(logprobs)} logprobs "
-                                         f"for {len(tokens)} tokens"))
-            return
-        new = req.append(tokens, self.eos_ids, self.detokenize)
-        req.logprobs += [logprob_from_proto(lp) for lp in logprobs[: len(new)]]
-        self.metrics.emitted(req, len(new), time.monotonic())
-        if step:
-            req.accepted_per_step.append(len(new))
-            self.metrics.speculated(drafted, len(new))
-            self._measure_shadows(req)
-        await req.events.put(("tokens", new))
-        if req.finish_reason:
-            await self._finish(req, req.finish_reason)
-
-    def _measure_shadows(self, req: GenRequest) -> None:
-        """Each shadow draft whose outcome the emitted tokens now settle: how many tokens a
-        step of each model-free mode (its first nodes of the tree) would have emitted."""
-        pending = []
-        for start, tokens, parents in req.shadows:
-            emitted = req.generated[start:]
-            outcomes = [(index, accepted_depth(tokens[:n], parents[:n], emitted))
-                        for index, n in self.shadow_modes]
-            if all(settled for _, (_, settled) in outcomes):
-                for index, (accepted, _) in outcomes:
-                    self.policy.record_yield(req.params.greedy, index, req.id, 1 + accepted)
-            else:
-                pending.append((start, tokens, parents))
-        req.shadows = pending
-
-    # --- leaving the running batch ----------------------------------------------------
-
-    def _requeue(self, req: GenRequest) -> None:
-        """Take a running sequence off its replica; it is prefilled again (on another
-        replica if that one is down) from the router's history, first in the queue."""
-        if req in self.running:
-            self.running.remove(req)
-        self.replicas.detach(req)
-        req.queued_at = time.monotonic()
-        self.waiting.insert(0, req)
-
-    def _leave(self, req: GenRequest):
-        """Take a request out of the batch for good; returns the replica it was on."""
-        if self.policy:
-            self.policy.forget(req.id)
-        self.speculators.release(req.id)
-        if req in self.running:
-            self.running.remove(req)
-        return self.replicas.detach(req)
-
-    async def _finish(self, req: GenRequest, reason: str) -> None:
-        replica = self._leave(req)
-        if replica is not None:
-            with tracing.within(req.span):  # the Release call joins the request's trace
-                await self.replicas.release(replica, [req.id],
-                                            keep_for_session=bool(req.session_id))
-        req.finish_reason = reason
-        self._ended(req, "abort" if reason == "cancelled" else reason)
-        await req.events.put(("done", reason))
-
-    def _fail(self, req: GenRequest, exc: Exception) -> None:
-        req.error = exc
-        replica = self._leave(req)
-        if replica is not None:  # its KV slot
-            with tracing.within(req.span):
-                asyncio.ensure_future(self.replicas.release(replica, [req.id]))
-        self._ended(req, "error", exc)
-        req.events.put_nowait(("error", exc))
-
-    def _ended(self, req: GenRequest, reason: str, exc: Exception | None = None) -> None:
-        """The one place a request's end is recorded: its metrics, and its span (with what
-        the request did) ended. ``reason``: stop, length, abort or error."""
-        if req.ended:
-            return
-        req.ended = True
-        self.metrics.ended(req, reason, time.monotonic())
-        close_request_span(req, reason, exc)
-
 
 def _client_deadline_passed(exc: grpc.aio.AioRpcError, reqs: list[GenRequest]) -> bool:
     """A hop that ran out of time because a client's deadline passed, not because the

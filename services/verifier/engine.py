@@ -11,7 +11,6 @@ without touching other sequences.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -20,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from services.verifier.executor import ForwardArgs
-from specinfer.drafting import DraftRequest
+from services.verifier.own_drafts import OwnDrafts
+from services.verifier.sequence import EngineConfig, SequenceState, SessionEntry
 from specinfer.drafting.head import FeatureDrafter
 from specinfer.drafting.model_free import ModelFreeDrafter
 from specinfer.errors import (
@@ -38,61 +38,10 @@ from specinfer.sampling import (
     target_probs,
     token_logprobs,
 )
-from specinfer.tree import TokenTree, TreeBatch, merge_trees
+from specinfer.tree import TokenTree, TreeBatch
 from specinfer.verification import Accepted, verify_batch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineConfig:
-    max_context: int = 2048  # prompt + output tokens of one sequence
-    slots: int = 8  # sequences (live or kept for a session) held at once
-    max_tree_nodes: int = 64
-    prefill_chunk: int = 256
-    # A live sequence no call has touched for this long is freed: its router died (a
-    # router steps every sequence it holds far more often). 0 = never.
-    sequence_lease_s: float = 30.0
-    # The draft head's tree (``VerifyItem.draft_head``): dynamic (EAGLE-2 style: the most
-    # probable paths) for greedy sequences, the static expansion for sampled ones and with
-    # ``head_dynamic`` off; at most ``head_nodes`` of the item's node budget, so the
-    # model-free drafts keep the rest (they accept whole repeats the head rarely drafts).
-    head_expansion: tuple[int, ...] = (2, 1, 1, 1)
-    head_dynamic: bool = True
-    head_nodes: int = 8
-
-
-@dataclass
-class SequenceState:
-    id: str
-    slot: int
-    tokens: list[int]  # the whole sequence; all but the last are in the cache
-    params: SamplingParams
-    generator: torch.Generator | None
-    session_id: str = ""
-    prompt_length: int = 0  # tokens[:prompt_length] are the prompt, the rest generated
-    created: float = field(default_factory=time.monotonic)
-    touched: float = field(default_factory=time.monotonic)  # the last call on it
-    # The last model-free tree drafted for it: (token count it was drafted for, node
-    # budget, tree). A shadow draft is the next step's tree: drafted once, not twice.
-    model_free_draft: tuple[int, int, TokenTree] | None = None
-    # With a draft head: the LLM's normed last hidden state of every cached token.
-    features: torch.Tensor | None = None
-
-    @property
-    def cached(self) -> int:
-        return len(self.tokens) - 1
-
-    @property
-    def root(self) -> int:
-        return self.tokens[-1]
-
-
-@dataclass
-class SessionEntry:
-    slot: int
-    tokens: list[int]  # tokens whose K/V the slot holds, in order
-    features: torch.Tensor | None = None  # theirs, with a draft head
 
 
 @dataclass
@@ -130,18 +79,11 @@ class VerifierEngine:
                  head_drafter: FeatureDrafter | None = None) -> None:
         self.executor = executor
         self.vocab_size = executor.vocab_size
-        # Model-free drafts from a sequence's own history, for Verify items that ask for
-        # them instead of sending a tree.
-        self.model_free = dataclasses.replace(model_free or ModelFreeDrafter(),
-                                              vocab_size=self.vocab_size)
-        # The draft head on the LLM's features: its drafts are one more source, after the
-        # model-free ones.
-        self.head_drafter = head_drafter
-        if head_drafter is not None:
-            if executor.tp != 1 or executor.pp != 1:
-                raise ValueError("a draft head needs the LLM's features in this process: "
-                                 "tensor and pipeline parallel degree 1")
-            head_drafter.source = self.model_free.source + self.model_free.sources
+        if head_drafter is not None and (executor.tp != 1 or executor.pp != 1):
+            raise ValueError("a draft head needs the LLM's features in this process: "
+                             "tensor and pipeline parallel degree 1")
+        # The trees Verify items ask the verifier to draft (instead of sending one).
+        self.drafts = OwnDrafts(model_free, head_drafter, self.vocab_size, config)
         self.config = config
         self.model_name = model_name
         self.eos_token_ids = eos_token_ids or []
@@ -233,8 +175,8 @@ class VerifierEngine:
         while reuse < min(len(kept), len(prompt) - 1) and kept[reuse] == prompt[reuse]:
             reuse += 1
         features = None
-        if self.head_drafter is not None:
-            rt = self.head_drafter.runtime
+        if self.drafts.head is not None:
+            rt = self.drafts.head.runtime
             features = torch.zeros(self.config.max_context, rt.config.hidden_size,
                                    dtype=rt.dtype, device=rt.device)
             if reuse:
@@ -305,7 +247,7 @@ class VerifierEngine:
             if root != seq.root:
                 raise InvalidArgument(f"items[{i}].root_token", f"is {root}, but the sequence's "
                                       f"last token is {seq.root}")
-            if draft_head[i] and self.head_drafter is None:
+            if draft_head[i] and self.drafts.head is None:
                 raise InvalidArgument(f"items[{i}].draft_head", "this verifier has no draft "
                                       "head (Info.draft_head)")
             for name, n in (("draft_nodes", nodes), ("shadow_nodes", shadow_nodes[i])):
@@ -331,11 +273,11 @@ class VerifierEngine:
                 raise InvalidArgument(f"items[{i}].tree", f"{len(tree)} nodes do not fit in "
                                       f"draft_nodes {nodes}: a merged step's tree must")
         # The head drafts in the room a sent tree leaves; all items are valid: draft.
-        head_trees = self._head_trees(seqs, [n - len(t) if n else 0 for n, t in zip(
+        head_trees = self.drafts.head_trees(seqs, [n - len(t) if n else 0 for n, t in zip(
             budgets, trees, strict=True)], draft_head)
         for i, (seq, nodes) in enumerate(zip(seqs, budgets, strict=True)):
             if nodes > 0:
-                trees[i] = self._merged_tree(seq, nodes, head_trees.get(i), trees[i])
+                trees[i] = self.drafts.merged_tree(seq, nodes, head_trees.get(i), trees[i])
         now = time.monotonic()
         for seq in seqs:
             seq.touched = now
@@ -345,7 +287,7 @@ class VerifierEngine:
         visible = None if len(seqs) == 1 and q == 1 else batch.visibility(key_len)
         logits = self.executor.forward(ForwardArgs(
             batch.tokens, batch.position_ids, torch.tensor([s.slot for s in seqs]),
-            batch.prefix_lens, visible, features=self.head_drafter is not None,
+            batch.prefix_lens, visible, features=self.drafts.head is not None,
         ))
         results = verify_batch(self._processed(logits, seqs, trees), trees,
                                [s.params for s in seqs], [s.generator for s in seqs])
@@ -353,7 +295,7 @@ class VerifierEngine:
                 for b, (seq, tree, acc) in enumerate(zip(seqs, trees, results, strict=True))]
         for seq, out, nodes in zip(seqs, outs, shadow_nodes, strict=True):
             if nodes:
-                out.next_draft = self._model_free_tree(seq, nodes)
+                out.next_draft = self.drafts.model_free_tree(seq, nodes)
         return outs
 
     @staticmethod
@@ -373,55 +315,6 @@ class VerifierEngine:
                     out[b, : len(paths)], seq.params, seq.tokens[: seq.prompt_length],
                     seq.tokens[seq.prompt_length:], paths)
         return out
-
-    def _merged_tree(self, seq: SequenceState, nodes: int, head: TokenTree | None,
-                     sent: TokenTree) -> TokenTree:
-        """The verifier's own drafts for a step, at most ``nodes`` nodes: the draft head's
-        tree, then the tree the router sent (the speculator's, its sources numbered after
-        the verifier's own), then model-free drafts in what room is left. Sampled drafts
-        come first and are never cut (cutting one but keeping a later sample of the same
-        source would bias MSS); only the one-hot model-free drafts are."""
-        # The head drafted at most nodes - len(sent): the sampled drafts all fit.
-        sampled = merge_trees([t for t in (head, self._after_own_sources(sent))
-                               if t is not None and len(t)])
-        return merge_trees([sampled, self._model_free_tree(seq, nodes)], max_nodes=nodes)
-
-    def _after_own_sources(self, tree: TokenTree) -> TokenTree:
-        """``tree`` with its draft sources renumbered after the verifier's own (model-free,
-        then the draft head): a merged tree's sources must be distinct for MSS."""
-        if not len(tree):
-            return tree
-        base = self.model_free.source + self.model_free.sources + (self.head_drafter is not None)
-        out = TokenTree()
-        for tok, parent, drafts in zip(tree.tokens, tree.parents, tree.drafts, strict=True):
-            out.add(parent, tok, [dataclasses.replace(d, source=d.source + base)
-                                  for d in drafts])
-        return out
-
-    def _head_trees(self, seqs: list[SequenceState], budgets: list[int],
-                    draft_head: list[bool]) -> dict[int, TokenTree]:
-        """The draft head's trees (one batched call), by item index."""
-        rows = [i for i, (n, h) in enumerate(zip(budgets, draft_head, strict=True)) if n > 0 and h]
-        if not rows:
-            return {}
-        cfg = self.config
-        requests = [DraftRequest(seqs[i].id, seqs[i].tokens, list(cfg.head_expansion),
-                                 seqs[i].params, seqs[i].generator, cfg.head_dynamic,
-                                 min(budgets[i], cfg.head_nodes),
-                                 seqs[i].features[: seqs[i].cached])
-                    for i in rows]
-        return dict(zip(rows, self.head_drafter.propose(requests), strict=True))
-
-    def _model_free_tree(self, seq: SequenceState, nodes: int) -> TokenTree:
-        """The model-free tree of at most ``nodes`` nodes below the sequence's last token,
-        reused if drafted already for these tokens: a smaller budget takes its first nodes
-        (the drafts are merged best first, so that is the smaller budget's tree)."""
-        kept = seq.model_free_draft
-        if kept is not None and kept[0] == len(seq.tokens) and nodes <= kept[1]:
-            return merge_trees([kept[2]], max_nodes=nodes)
-        tree = self.model_free.tree(seq.tokens, nodes)
-        seq.model_free_draft = (len(seq.tokens), nodes, tree)
-        return tree
 
     def _accept(self, seq: SequenceState, tree: TokenTree, acc: Accepted,
                 logits: torch.Tensor, row: int) -> VerifyOut:
@@ -453,8 +346,8 @@ class VerifierEngine:
             if seq is None:
                 continue
             released += 1
-            if self.head_drafter is not None:
-                self.head_drafter.forget(sid)
+            if self.drafts.head is not None:
+                self.drafts.head.forget(sid)
             if keep_for_session and seq.session_id:
                 old = self.sessions.pop(seq.session_id, None)
                 if old is not None:
@@ -493,7 +386,7 @@ class VerifierEngine:
             "max_tree_nodes": self.config.max_tree_nodes,
             "eos_token_ids": self.eos_token_ids,
             "live_sequences": len(self.sequences),
-            "draft_head": self.head_drafter is not None,
+            "draft_head": self.drafts.head is not None,
             "sequence_lease_seconds": self.config.sequence_lease_s,
         }
 

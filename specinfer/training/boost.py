@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from specinfer.chat import chat_prompt_ids
 from specinfer.data import select_conversations
+from specinfer.drafting.head import HEAD_MANIFEST, load_head
 from specinfer.models import (
     SSM_MANIFEST,
     ModelError,
@@ -52,8 +53,15 @@ from specinfer.models import (
     load_ssm,
     load_tokenizer,
     pack_int8,
+    pool_vocab,
 )
-from specinfer.training.examples import answer_example, conversation_examples, hidden_batches
+from specinfer.training.examples import (
+    answer_example,
+    conversation_examples,
+    hidden_batches,
+    optimizer_step,
+)
+from specinfer.training.head import head_covers
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +89,10 @@ class BoostConfig:
     seed: int = 0
     max_minutes: float = 0.0  # on-policy training answers: stop after this long (0 = none)
     init: Path | None = None  # warm start: an earlier pool (its vocabulary; >= layers)
+    # Boost against a draft head: positions its level-1 top-``complement_topk`` covers
+    # count as already matched, so the pool learns what the merged tree's head misses.
+    complement: Path | None = None
+    complement_topk: int = 1
 
 
 # --- 1. prompts ---------------------------------------------------------------------------
@@ -223,18 +235,15 @@ def start_ssm(cfg: BoostConfig, k: int, vocab_ids: torch.Tensor):
     return _truncate(load_ssm(str(earlier))[0], cfg.layers)
 
 
-def pool_vocab(pool: Path) -> torch.Tensor:
-    """The reduced vocabulary a pool's SSMs share (ssm-1's), without loading a model."""
-    from safetensors import safe_open
-
-    spec = json.loads((pool / "ssm-1" / SSM_MANIFEST).read_text())
-    with safe_open(str(pool / "ssm-1" / spec["weights"]), "pt") as f:
-        return f.get_tensor("vocab_ids").long()
-
-
 def check_init(cfg: BoostConfig) -> None:
     """Before any work: a warm start needs an earlier pool with at least ``--layers``
-    layers (a deeper one is cut to its first ``--layers``, keeping its norm and head)."""
+    layers (a deeper one is cut to its first ``--layers``, keeping its norm and head); a
+    head to boost against must be one."""
+    if cfg.complement is not None and not (cfg.complement / HEAD_MANIFEST).exists():
+        raise ModelError(f"--complement {cfg.complement}: no draft head ({HEAD_MANIFEST}) "
+                         "there")
+    if cfg.complement is not None and cfg.complement_topk < 1:
+        raise ModelError(f"--complement-topk must be at least 1, not {cfg.complement_topk}")
     if cfg.init is None:
         return
     manifest = cfg.init / "ssm-1" / SSM_MANIFEST
@@ -302,15 +311,6 @@ def soft_targets(example: dict, index_of: torch.Tensor) -> torch.Tensor:
     return out.scatter_add_(1, idx.clamp_min(0), p)
 
 
-def optimizer_step(opt, sched, params: list[torch.Tensor], loss: torch.Tensor) -> None:
-    """One clipped AdamW step on ``loss`` and one scheduler step."""
-    opt.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
-    sched.step()
-
-
 def train_ssm(model, examples: list[dict], weights: list[torch.Tensor] | None,
               vocab_ids: torch.Tensor, cfg: BoostConfig, desc: str) -> None:
     index_of = torch.full((model.model.embed_tokens.num_embeddings,), -1, dtype=torch.long)
@@ -373,6 +373,24 @@ def match_rate(preds: list[torch.Tensor], examples: list[dict]) -> float:
     return hits / max(1, sum(len(e["pos"]) for e in examples))
 
 
+def _share(hits: list[torch.Tensor]) -> float:
+    return sum(int(h.sum()) for h in hits) / max(1, sum(len(h) for h in hits))
+
+
+def head_coverage(cfg: BoostConfig, llm, train: list[dict], held: list[dict]
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Where ``cfg.complement``'s level-1 top-k already has the LLM's top-1, on the
+    training and held-out examples (cached: one LLM pass over the data)."""
+    cached = cfg.out / "data" / f"head-covers-top{cfg.complement_topk}.pt"
+    if cached.exists():
+        return torch.load(cached)
+    head = load_head(cfg.complement, llm)
+    out = tuple(head_covers(head, part, [llm_top1(e) for e in part], cfg.complement_topk)
+                for part in (train, held))
+    _save(out, cached)
+    return out
+
+
 # --- driver -------------------------------------------------------------------------------
 
 
@@ -411,6 +429,9 @@ def boost_tune(cfg: BoostConfig) -> dict:
         vocab_ids = pool_vocab(cfg.init)
     else:
         vocab_ids = build_vocab(train, cfg.vocab, eos if isinstance(eos, list) else [eos])
+    covered_train = covered_held = None
+    if cfg.complement:
+        covered_train, covered_held = head_coverage(cfg, llm, train, held)
     del llm
 
     report = {"llm": cfg.llm, "layers": cfg.layers, "vocab": len(vocab_ids),
@@ -423,13 +444,19 @@ def boost_tune(cfg: BoostConfig) -> dict:
     report["heldout_vocab_coverage"] = float(covered.float().mean())
     base = init_ssm(cfg.llm, cfg.layers, vocab_ids)
     report["untrained_match"] = match_rate(predict_top1(base, held, vocab_ids), held)
-    pool_train_hit = [torch.zeros(len(e["pos"]), dtype=torch.bool) for e in train]
+    pool_train_hit = covered_train or [torch.zeros(len(e["pos"]), dtype=torch.bool)
+                                       for e in train]
     pool_held_hit = [torch.zeros(len(e["pos"]), dtype=torch.bool) for e in held]
+    with_head_hit = covered_held or [h.clone() for h in pool_held_hit]
+    if cfg.complement:
+        report["complement"] = {
+            "head": str(cfg.complement), "topk": cfg.complement_topk,
+            "train_covered": _share(pool_train_hit), "heldout_covered": _share(with_head_hit)}
     for k in range(1, cfg.pool_size + 1):
         path = cfg.out / f"ssm-{k}"
         if not (path / SSM_MANIFEST).exists():
             model = start_ssm(cfg, k, vocab_ids)
-            weights = None if k == 1 else [
+            weights = None if k == 1 and not cfg.complement else [
                 torch.where(hit, torch.tensor(cfg.matched_weight), torch.tensor(1.0))
                 for hit in pool_train_hit]
             train_ssm(model, train, weights, vocab_ids, cfg, desc=f"SSM {k}/{cfg.pool_size}")
@@ -439,13 +466,16 @@ def boost_tune(cfg: BoostConfig) -> dict:
         alone = match_rate(held_pred, held)
         for i, (p, e) in enumerate(zip(held_pred, held, strict=True)):
             pool_held_hit[i] |= p == llm_top1(e)
-        pool = sum(int(h.sum()) for h in pool_held_hit) / max(1, report["heldout_tokens"])
+            with_head_hit[i] |= p == llm_top1(e)
+        pool = _share(pool_held_hit)
         if k < cfg.pool_size:
             for i, (p, e) in enumerate(zip(predict_top1(model, train, vocab_ids), train,
                                            strict=True)):
                 pool_train_hit[i] |= p == llm_top1(e)
         report["ssms"].append({"ssm": f"ssm-{k}", "heldout_match": alone,
                                "pool_heldout_match": pool})
+        if cfg.complement:  # the pool so far together with the head's level-1 top-k
+            report["ssms"][-1]["with_head_heldout_match"] = _share(with_head_hit)
         log.info("ssm trained", extra={"ssm": k, "heldout_match": alone, "pool_match": pool})
     (cfg.out / "report.json").write_text(json.dumps(report, indent=2))
     return report

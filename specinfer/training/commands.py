@@ -32,6 +32,12 @@ def add_boost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init", default=None,
                    help="warm start: an earlier pool directory whose SSMs (cut to --layers) "
                         "and vocabulary continue training on this run's data")
+    p.add_argument("--complement", default=None, metavar="HEADDIR",
+                   help="boost against a draft head (e.g. the bundled head/): positions where "
+                        "its level-1 top-k has the LLM's top-1 count as covered, so the pool "
+                        "learns what the merged mode's head tree misses")
+    p.add_argument("--complement-topk", type=int, default=d.complement_topk,
+                   help="the head's top-k that counts as covering a position")
 
 
 def boost_tune(args: argparse.Namespace) -> int:
@@ -45,7 +51,9 @@ def boost_tune(args: argparse.Namespace) -> int:
                       topk=args.topk, max_seq=args.max_seq, new_tokens=args.new_tokens,
                       gen_batch=args.gen_batch, epochs=args.epochs, lr=args.lr,
                       max_minutes=args.max_minutes,
-                      init=Path(args.init) if args.init else None)
+                      init=Path(args.init) if args.init else None,
+                      complement=Path(args.complement) if args.complement else None,
+                      complement_topk=args.complement_topk)
     report = boost_tune(cfg)
     import json
 

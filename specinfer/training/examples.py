@@ -1,5 +1,5 @@
-"""Teacher-forcing examples and the LLM's hidden states over them, shared by SSM
-boost-tuning (``boost``) and draft-head training (``head``).
+"""Teacher-forcing examples, the LLM's hidden states over them and the optimizer step,
+shared by SSM boost-tuning (``boost``) and draft-head training (``head``).
 
 An example is a token sequence (``ids``) and the positions whose next token the draft
 model learns (``pos``): the assistant's text in a conversation, or a generated answer.
@@ -64,3 +64,12 @@ def answer_example(sample: dict) -> dict:
     start = len(sample["prompt"]) - 1
     return {"ids": ids, "pos": list(range(start, start + len(sample["answer"]))),
             "answer": sample["answer"]}
+
+
+def optimizer_step(opt, sched, params: list[torch.Tensor], loss: torch.Tensor) -> None:
+    """One clipped AdamW step on ``loss`` and one scheduler step."""
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()

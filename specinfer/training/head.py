@@ -28,10 +28,14 @@ from tqdm import tqdm
 
 from specinfer.data import select_conversations
 from specinfer.drafting.head import HEAD_MANIFEST, DraftHead, load_head
-from specinfer.models import ModelError, load_model, load_tokenizer
+from specinfer.models import ModelError, load_model, load_tokenizer, pool_vocab
 from specinfer.runtime import rotate_half
-from specinfer.training.boost import optimizer_step, pool_vocab
-from specinfer.training.examples import answer_example, conversation_examples, hidden_batches
+from specinfer.training.examples import (
+    answer_example,
+    conversation_examples,
+    hidden_batches,
+    optimizer_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +235,31 @@ def head_match(head: DraftHead, examples: list[dict], levels: int = 3) -> dict[s
             total[u] += int(valid.sum())
     return {**{f"level{u + 1}": hits[u] / max(1, total[u]) for u in range(levels)},
             "positions": total[0]}
+
+
+@torch.inference_mode()
+def head_covers(head: DraftHead, examples: list[dict], want: list[torch.Tensor], topk: int,
+                batch: int = 8) -> list[torch.Tensor]:
+    """Per example, whether the LLM's token ``want`` at each of its positions is among the
+    head's level-1 top-``topk`` there (the head reading the LLM's own features, as the
+    verifier drafts): what a draft head's tree already covers, so that an SSM pool can be
+    boost-tuned on the rest. Position 0 has no feature before it: never covered."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(examples)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for idx, hidden in hidden_batches(head.llm, [e["ids"] for e in examples], batch):
+            ids = torch.zeros(len(idx), hidden.shape[1], dtype=torch.long)
+            for j, i in enumerate(idx):
+                ids[j, : len(examples[i]["ids"])] = torch.as_tensor(examples[i]["ids"])
+            # Output t reads (feature of token t, token t + 1): it predicts position t + 1.
+            _, logits, _ = head_forward(head, hidden[:, :-1], ids[:, 1:])
+            top = head.vocab_ids[logits.float().topk(topk, dim=-1).indices]
+            for j, i in enumerate(idx):
+                pos = torch.as_tensor(examples[i]["pos"])
+                hit = torch.zeros(len(pos), dtype=torch.bool)
+                inner = pos >= 1
+                hit[inner] = (top[j, pos[inner] - 1] == want[i][inner, None]).any(-1)
+                out[i] = hit
+    return out
 
 
 def train_head(head: DraftHead, examples: list[dict], cfg: HeadConfig) -> None:
