@@ -16,8 +16,15 @@ from specinfer.drafting import DraftRequest
 from specinfer.drafting.head import load_head
 from specinfer.drafting.ssm import SSMDrafter
 from specinfer.models import load_model, load_ssm
-from specinfer.training.boost import BoostConfig, boost_tune, select_prompts
-from specinfer.training.head import HeadConfig, train_head_pipeline
+from specinfer.training.boost import (
+    BoostConfig,
+    boost_tune,
+    llm_top1,
+    load_chunks,
+    select_prompts,
+)
+from specinfer.training.examples import answer_example
+from specinfer.training.head import HeadConfig, head_covers, train_head_pipeline
 
 
 def test_prompts_exclude_mtbench(tmp_path):
@@ -66,6 +73,31 @@ def test_boost_tuning_improves_the_pool_and_writes_loadable_ssms(tiny_chat_llm, 
     with pytest.raises(ValueError, match="--init"):
         train_head_pipeline(HeadConfig(data=tmp_path / "pool", out=tmp_path / "head3",
                                        init=tmp_path / "pool"))
+
+    # Boosting against that head (--complement): what the run counts as covered is the
+    # head's own level-1 agreement on the held-out answers (the same positions; the head
+    # run reads bfloat16 features, hence the tolerance), a wider top-k covers more, and the
+    # pool together with the head covers more than either.
+    held = [answer_example(s) for s in load_chunks(cfg, "heldout")]
+    want = [llm_top1(e) for e in held]
+    top1, top3 = (head_covers(head, held, want, k) for k in (1, 3))
+    share = sum(int(h.sum()) for h in top1) / sum(len(h) for h in top1)
+    assert abs(share - head_report["heldout_match"]["level1"]) < 0.03, share
+    assert all(bool((wide >= narrow).all()) for wide, narrow in zip(top3, top1, strict=True))
+    comp = tmp_path / "comp"
+    comp.mkdir()
+    shutil.copytree(tmp_path / "pool" / "data", comp / "data")
+    shutil.copy(tmp_path / "pool" / "prompts.json", comp / "prompts.json")
+    comp_cfg = dataclasses.replace(cfg, out=comp, epochs=1, complement=tmp_path / "head" / "head")
+    comp_report = boost_tune(comp_cfg)
+    covered = comp_report["complement"]["heldout_covered"]
+    assert abs(covered - share) < 0.01, comp_report
+    last = comp_report["ssms"][-1]
+    assert last["with_head_heldout_match"] >= max(covered, last["pool_heldout_match"])
+    assert last["with_head_heldout_match"] > covered, comp_report  # the pool adds hits
+    with pytest.raises(ValueError, match="--complement"):
+        boost_tune(dataclasses.replace(comp_cfg, out=tmp_path / "bad0",
+                                       complement=tmp_path / "pool"))
 
     # Warm start: a new pool continues from this one's SSMs and vocabulary. With a zero
     # learning rate its SSMs match the LLM as the earlier ones did (up to int8 rounding);

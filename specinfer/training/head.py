@@ -237,7 +237,7 @@ def head_match(head: DraftHead, examples: list[dict], levels: int = 3) -> dict[s
             "positions": total[0]}
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: boost-tuning updates the masks in place
 def head_covers(head: DraftHead, examples: list[dict], want: list[torch.Tensor], topk: int,
                 batch: int = 8) -> list[torch.Tensor]:
     """Per example, whether the LLM's token ``want`` at each of its positions is among the
