@@ -4,6 +4,7 @@ the base that reports each role's set, deduplicated and logged."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -34,7 +35,7 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class Discovery:
+class Discovery(abc.ABC):
     """The base: reports each role's set through ``on_change``, deduplicated."""
 
     source = "static"
@@ -44,8 +45,9 @@ class Discovery:
         self._last: dict[str, frozenset[str]] = {}
         self._tasks: list[asyncio.Task] = []
 
+    @abc.abstractmethod
     async def start(self, on_change: OnChange) -> None:
-        raise NotImplementedError
+        """Report each role's set once, then keep reporting changes (see ``discovery``)."""
 
     def _report(self, role: str, addresses: frozenset[str]) -> None:
         last = self._last.get(role)

@@ -170,7 +170,7 @@ def load_chunks(cfg: BoostConfig, prefix: str) -> list[dict]:
 def teacher_targets(model, examples: list[dict], topk: int, batch: int) -> list[dict]:
     """Adds the LLM's top-k next-token ids and probabilities at each example's positions
     (``top_ids [P, k]`` int32, ``top_p [P, k]`` float16)."""
-    for idx, hidden in hidden_batches(model, [e["ids"] for e in examples], batch):
+    for idx, _, hidden in hidden_batches(model, [e["ids"] for e in examples], batch):
         for j, i in enumerate(idx):
             e = examples[i]
             logits = model.lm_head(hidden[j, torch.tensor(e["pos"])]).float()
@@ -447,8 +447,8 @@ def boost_tune(cfg: BoostConfig) -> dict:
     pool_train_hit = covered_train or [torch.zeros(len(e["pos"]), dtype=torch.bool)
                                        for e in train]
     pool_held_hit = [torch.zeros(len(e["pos"]), dtype=torch.bool) for e in held]
-    with_head_hit = covered_held or [h.clone() for h in pool_held_hit]
-    if cfg.complement:
+    with_head_hit = covered_held  # None unless boosting against a head
+    if with_head_hit is not None:
         report["complement"] = {
             "head": str(cfg.complement), "topk": cfg.complement_topk,
             "train_covered": _share(pool_train_hit), "heldout_covered": _share(with_head_hit)}
@@ -465,8 +465,10 @@ def boost_tune(cfg: BoostConfig) -> dict:
         held_pred = predict_top1(model, held, vocab_ids)
         alone = match_rate(held_pred, held)
         for i, (p, e) in enumerate(zip(held_pred, held, strict=True)):
-            pool_held_hit[i] |= p == llm_top1(e)
-            with_head_hit[i] |= p == llm_top1(e)
+            hit = p == llm_top1(e)
+            pool_held_hit[i] |= hit
+            if with_head_hit is not None:
+                with_head_hit[i] |= hit
         pool = _share(pool_held_hit)
         if k < cfg.pool_size:
             for i, (p, e) in enumerate(zip(predict_top1(model, train, vocab_ids), train,
@@ -474,7 +476,7 @@ def boost_tune(cfg: BoostConfig) -> dict:
                 pool_train_hit[i] |= p == llm_top1(e)
         report["ssms"].append({"ssm": f"ssm-{k}", "heldout_match": alone,
                                "pool_heldout_match": pool})
-        if cfg.complement:  # the pool so far together with the head's level-1 top-k
+        if with_head_hit is not None:  # the pool so far with the head's level-1 top-k
             report["ssms"][-1]["with_head_heldout_match"] = _share(with_head_hit)
         log.info("ssm trained", extra={"ssm": k, "heldout_match": alone, "pool_match": pool})
     (cfg.out / "report.json").write_text(json.dumps(report, indent=2))

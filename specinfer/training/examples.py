@@ -46,8 +46,8 @@ def conversation_examples(tokenizer, conversations: list[list[dict]], max_seq: i
 
 def hidden_batches(model, sequences: list[list[int]], batch: int):
     """The LLM's normed last hidden states, ``batch`` sequences at a time, shortest first:
-    yields (indices into ``sequences``, hidden ``[b, width, H]``). Right padding: causal
-    attention never lets a real token see it."""
+    yields (indices into ``sequences``, the padded ids ``[b, width]``, hidden
+    ``[b, width, H]``). Right padding: causal attention never lets a real token see it."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     for start in range(0, len(order), batch):
         idx = order[start : start + batch]
@@ -55,7 +55,7 @@ def hidden_batches(model, sequences: list[list[int]], batch: int):
         ids = torch.zeros(len(idx), width, dtype=torch.long)
         for j, i in enumerate(idx):
             ids[j, : len(sequences[i])] = torch.as_tensor(sequences[i])
-        yield idx, model.model(input_ids=ids).last_hidden_state
+        yield idx, ids, model.model(input_ids=ids).last_hidden_state
 
 
 def answer_example(sample: dict) -> dict:

@@ -140,7 +140,7 @@ def llm_features(llm, sequences: list[list[int]], batch: int = 8) -> list[torch.
     """The LLM's normed last hidden state of every token, per sequence (bfloat16)."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # 2x faster; noise is trained in
-        for idx, hidden in hidden_batches(llm, sequences, batch):
+        for idx, _, hidden in hidden_batches(llm, sequences, batch):
             for j, i in enumerate(idx):
                 out[i] = hidden[j, : len(sequences[i])].to(torch.bfloat16).clone()
     return out
@@ -246,10 +246,7 @@ def head_covers(head: DraftHead, examples: list[dict], want: list[torch.Tensor],
     boost-tuned on the rest. Position 0 has no feature before it: never covered."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(examples)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        for idx, hidden in hidden_batches(head.llm, [e["ids"] for e in examples], batch):
-            ids = torch.zeros(len(idx), hidden.shape[1], dtype=torch.long)
-            for j, i in enumerate(idx):
-                ids[j, : len(examples[i]["ids"])] = torch.as_tensor(examples[i]["ids"])
+        for idx, ids, hidden in hidden_batches(head.llm, [e["ids"] for e in examples], batch):
             # Output t reads (feature of token t, token t + 1): it predicts position t + 1.
             _, logits, _ = head_forward(head, hidden[:, :-1], ids[:, 1:])
             top = head.vocab_ids[logits.float().topk(topk, dim=-1).indices]
