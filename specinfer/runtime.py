@@ -92,9 +92,31 @@ def rms_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module.weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
+def sliding_windows(config, first_layer: int, count: int) -> list[int | None]:
+    """Each layer's attention window (None: the whole context), as transformers applies
+    it: Mistral's ``sliding_window`` on every layer, Qwen2's on the layers its
+    ``layer_types`` mark ``sliding_attention``. A query at position p sees keys at
+    positions > p - window."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return [None] * count
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [window] * count
+    return [window if types[first_layer + i] == "sliding_attention" else None
+            for i in range(count)]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean ``[B, Q, K]`` visibility as SDPA's additive ``[B, 1, Q, K]`` mask."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[:, None]
 
 
 class LlamaRuntime:
@@ -144,6 +166,7 @@ class LlamaRuntime:
             for m in [*layers, embed_tokens, norm]:  # fbgemm's SSM linears: float32 only
                 m.to(placement.dtype)
         self.layers = layers
+        self.windows = sliding_windows(config, first_layer, len(layers))
         self.embed_tokens, self.rotary_emb, self.norm = embed_tokens, rotary_emb, norm
         self.lm_head = lm_head
         # Attention (rotary, KV cache, scores) on a GPU runs in the placement's dtype (flash
@@ -244,11 +267,10 @@ class LlamaRuntime:
             write_slot, slots = slots, slots[:, 0]
         else:
             write_slot = slots[:, None].expand(b, q)
-        mask = None
-        if visible is not None:
-            mask = torch.zeros(visible.shape, dtype=attn_dtype, device=visible.device)
-            mask.masked_fill_(~visible, torch.finfo(attn_dtype).min)
-            mask = mask[:, None]
+        mask = None if visible is None else _additive(visible, attn_dtype)
+        window_masks = {w: _additive(self._window_visible(
+            visible, positions, slots, write_slot, write_pos, key_len, w), attn_dtype)
+            for w in set(self.windows) if w is not None and key_len > w}
         single = b == 1 and not hidden.is_cuda  # (indexing by a device scalar syncs)
         kv_heads = self.cache.k.shape[3]
         for i, (layer, proj) in enumerate(zip(self.layers, self.proj, strict=True)):
@@ -267,11 +289,32 @@ class LlamaRuntime:
             else:
                 keys, values = ck[slots, :key_len], cv[slots, :key_len]
             out = self._attention(qs.transpose(1, 2), keys.transpose(1, 2),
-                                  values.transpose(1, 2), mask)
+                                  values.transpose(1, 2),
+                                  window_masks.get(self.windows[i], mask))
             hidden = hidden + proj.o(out.transpose(1, 2).reshape(b, q, -1).to(act))
             gate, up = proj.gate_up(rms_norm(layer.post_attention_layernorm, hidden)).chunk(2, -1)
             hidden = hidden + proj.down(layer.mlp.act_fn(gate) * up)
         return hidden
+
+    @staticmethod
+    def _window_visible(visible: torch.Tensor | None, positions: torch.Tensor,
+                        slots: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
+                        key_len: int, window: int) -> torch.Tensor:
+        """``visible`` (or the causal pattern) less the keys ``window`` or more positions
+        before each query. A committed key's position is its cache index (the accepted path
+        is kept contiguous); a key written in this call has its query's position (a tree
+        node's depth, not its index). Queries writing another slot (graph padding) do not
+        count: their writes go to a spare column."""
+        b, q = positions.shape
+        key_pos = torch.arange(key_len + 1, device=positions.device).expand(b, -1).clone()
+        own = write_slot == slots[:, None]
+        key_pos.scatter_(1, torch.where(own, write_pos, key_len), positions)
+        key_pos = key_pos[:, :key_len]
+        in_window = positions[:, :, None] - key_pos[:, None, :] < window
+        if visible is None:
+            keys = torch.arange(key_len, device=positions.device)
+            visible = keys[None, None, :] <= write_pos[:, :, None]
+        return visible & in_window
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:

@@ -110,6 +110,7 @@ class FeatureDrafter(SSMDrafter):
         body = head.llm.model
         config = copy.copy(head.llm.config)
         config.num_hidden_layers = 1
+        config.sliding_window = None  # trained attending to its whole context
         return LlamaRuntime(config, [head.layer], body.embed_tokens, body.rotary_emb,
                             body.norm, head.lm_head, slots, slot_len, placement=placement)
 
