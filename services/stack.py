@@ -32,17 +32,26 @@ log = logging.getLogger(__name__)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--llm", default=DEFAULT_LLM)
-    p.add_argument("--ssm", action="append", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--verifiers", type=int, default=1)
-    p.add_argument("--speculators", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--slots", type=int, default=8)
-    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--llm", default=DEFAULT_LLM,
+                   help="the LLM: a model directory, .gguf file or alias (default %(default)s)")
+    p.add_argument("--ssm", action="append", default=None,
+                   help="an SSM for the speculators (repeatable; see serve speculator); "
+                        "default: the bundled pool if present")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address of the router's gRPC and HTTP APIs (default %(default)s)")
+    p.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the OpenAI-compatible HTTP API, /metrics and /health")
+    p.add_argument("--verifiers", type=int, default=1, help="verifier replicas")
+    p.add_argument("--speculators", type=int, default=1,
+                   help="speculator replicas (0: the verifiers' own drafts only)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per verifier (DeepSpeed AutoTP)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages per verifier")
+    p.add_argument("--slots", type=int, default=8,
+                   help="sequences each verifier holds in its KV cache at once")
+    p.add_argument("--max-context", type=int, default=2048,
+                   help="tokens per sequence: prompt + generated")
     p.add_argument("--expansion", default=None, help="the speculator's static tree")
     p.add_argument("--draft-head", default="auto", help="the verifiers' draft head: auto, "
                    "none or a directory (see serve verifier)")

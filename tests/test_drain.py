@@ -15,6 +15,7 @@ import time
 
 import grpc
 import pytest
+import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers import failovers, free_port, sessions_on, stream_sessions, wait_serving
 
@@ -53,7 +54,21 @@ def stack(tiny_chat_llm):
         stop_processes(procs)
 
 
+def http_health(base: str) -> tuple[int, int]:
+    """/health's status code and ready verifiers (no API key: a probe has none)."""
+    response = requests.get(base + "/health", timeout=10)
+    return response.status_code, response.json()["verifiers_ready"]
+
+
+def wait_health(base: str, expected: tuple[int, int], within_s: float = 15.0) -> None:
+    deadline = time.monotonic() + within_s
+    while (got := http_health(base)) != expected:
+        assert time.monotonic() < deadline, f"/health says {got}, expected {expected}"
+        time.sleep(0.1)
+
+
 def test_draining_verifiers_lose_nothing(stack):
+    wait_health(stack["http"], (200, 2))
     with Client(stack["addr"]) as c:
         reference = {p: c.generate(p, max_tokens=MAX_TOKENS, speculation=False).token_ids
                      for p in PROMPTS}
@@ -80,6 +95,7 @@ def test_draining_verifiers_lose_nothing(stack):
     assert p0.wait(timeout=30) == 0
     assert time.monotonic() - sent < 30, "verifier 0 waited out its drain timeout"
     assert failovers(stack["http"], "verifier") >= before + 1
+    wait_health(stack["http"], (200, 1))
 
     # 2. Verifier 1, the last one, stops while a router's sequence and one of our own
     # ("held") are live on it: nowhere to move them, so it keeps serving them, NOT_SERVING,
@@ -119,3 +135,4 @@ def test_draining_verifiers_lose_nothing(stack):
     [(prompt, ids)] = asyncio.run(phase_two())
     assert ids == reference[prompt]
     assert p1.wait(timeout=15) == 0
+    wait_health(stack["http"], (503, 0))  # the router stays up; nothing can take a sequence

@@ -318,6 +318,19 @@ def _metrics_endpoint(registry: CollectorRegistry):
     return scrape
 
 
+def _health_endpoint(scheduler: Scheduler):
+    """vLLM's and TGI's ``/health``: 200 while a verifier can take sequences, 503 while
+    none can (none joined yet, all down or draining). Open, like a probe needs it."""
+
+    async def health(request: web.Request) -> web.Response:
+        ready = sum(1 for r in scheduler.replicas.replicas if r.usable)
+        status = 200 if ready else 503
+        return web.json_response({"status": "ok" if ready else "unavailable",
+                                  "verifiers_ready": ready}, status=status)
+
+    return health
+
+
 async def start_http(scheduler: Scheduler, fe: Frontend, host: str, port: int,
                      registry: CollectorRegistry | None = None, keys: ApiKeys | None = None,
                      streams: KeyStreams | None = None, metrics_auth: bool = False,
@@ -329,6 +342,7 @@ async def start_http(scheduler: Scheduler, fe: Frontend, host: str, port: int,
     app = web.Application(client_max_size=fe.limits.max_body_bytes, middlewares=middlewares)
     if registry is not None:
         app.router.add_get("/metrics", _metrics_endpoint(registry))
+    app.router.add_get("/health", _health_endpoint(scheduler))
     app.router.add_get("/v1/models", api.models)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat)

@@ -341,6 +341,15 @@ def openapi_document(model_name: str, vocab_size: int, max_context: int,
         "/v1/chat/completions": {"post": _generate_operation(
             "Chat completion.", "ChatCompletionRequest", "ChatCompletion", errors)},
     }
+    health = {"type": "object", "required": ["status", "verifiers_ready"], "properties": {
+        "status": {"type": "string", "enum": ["ok", "unavailable"]},
+        "verifiers_ready": {"type": "integer", "minimum": 0}}}
+    paths["/health"] = {"get": {
+        "summary": "Readiness: 200 while a verifier can take sequences, 503 otherwise.",
+        "security": [], "responses": {
+            code: {"description": text, "content": {"application/json": {"schema": health}}}
+            for code, text in (("200", "Ready."), ("503", "No verifier can take "
+                                                         "sequences now."))}}}
     if metrics:
         responses = {"200": {"description": "The exposition format.",
                              "content": {"text/plain": {"schema": {"type": "string"}}}}}
