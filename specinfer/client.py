@@ -39,6 +39,10 @@ class InvalidRequestError(SpecInferError):
     pass
 
 
+class NotFoundError(InvalidRequestError):
+    """The request names what the server does not have (a model it does not serve)."""
+
+
 class OverloadedError(SpecInferError):
     pass
 
@@ -58,6 +62,7 @@ class AuthenticationError(SpecInferError):
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
     grpc.StatusCode.OUT_OF_RANGE: InvalidRequestError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
@@ -170,8 +175,10 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
                   session_id: str = "", model: str = "",
                   logprobs: int | None = None, logit_bias: dict[int, float] | None = None,
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                  repetition_penalty: float | None = None) -> router_pb2.GenerateRequest:
+                  repetition_penalty: float | None = None,
+                  ignore_eos: bool = False) -> router_pb2.GenerateRequest:
     """``logprobs``: return each token's log-probability and this many alternatives.
+    ``ignore_eos``: generate past the end-of-sequence token (fixed-length benchmarks).
     ``logit_bias`` (token id -> bias, clamped to +-100), ``presence_penalty`` and
     ``frequency_penalty`` ([-2, 2], over the generated text) as OpenAI's,
     ``repetition_penalty`` (> 0, over prompt and generated text) as vLLM's."""
@@ -190,7 +197,7 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
     req = router_pb2.GenerateRequest(max_tokens=max_tokens, stop=stop or [],
                                      stop_token_ids=stop_token_ids or [], sampling=sampling,
                                      speculation=speculation, session_id=session_id,
-                                     model=model)
+                                     model=model, ignore_eos=ignore_eos)
     if messages is not None:
         req.chat.messages.extend(router_pb2.ChatMessage(**m) for m in messages)
     elif token_ids is not None:

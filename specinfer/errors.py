@@ -32,6 +32,17 @@ class NotFound(InvalidArgument):
     http_status = 404
 
 
+class ModelNotFound(NotFound):
+    """A request asks for a model this stack does not serve (OpenAI's 404
+    ``model_not_found``)."""
+
+    openai_code = "model_not_found"
+
+    def __init__(self, model: str, served: str) -> None:
+        super().__init__("model", f"the model {model!r} does not exist; this server serves "
+                                  f"{served!r}")
+
+
 class FailedPrecondition(InvalidArgument):
     """A request that does not fit what the service holds (e.g. a stream's offset for a
     sequence it holds fewer tokens of): resend from the start."""

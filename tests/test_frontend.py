@@ -91,3 +91,26 @@ def test_streamed_text_never_holds_part_of_a_stop_string():
 
     assert stream(["xa", "b", "d", "z"], "length") == ["x", "", "abd", "", "z"]
     assert stream(["xa", "b", "c", "yy"], "stop") == ["x", "", "", "", ""]
+
+
+def test_chat_content_forms_and_a_model_without_a_chat_template():
+    """Text parts render as the joined string; a base model's tokenizer (no chat
+    template) refuses chat with 400 naming messages, not a server error."""
+    import pytest
+
+    from services.router.frontend import Frontend
+    from specinfer.errors import InvalidArgument
+    from specinfer.models import DEFAULT_LLM, load_tokenizer
+
+    fe = Frontend(load_tokenizer(DEFAULT_LLM), "m", 49152)
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    assert fe.encode_chat([{"role": "user", "content": parts}]) == \
+        fe.encode_chat([{"role": "user", "content": "Hello\nthere"}])
+    with pytest.raises(InvalidArgument) as err:
+        fe.encode_chat([{"role": "user", "content": [{"type": "input_audio"}]}])
+    assert err.value.field == "messages[0].content[0].type"
+    base = load_tokenizer(DEFAULT_LLM)
+    base.chat_template = None
+    with pytest.raises(InvalidArgument) as err:
+        Frontend(base, "m", 49152).encode_chat([{"role": "user", "content": "hi"}])
+    assert err.value.field == "messages" and "/v1/completions" in str(err.value)

@@ -48,7 +48,7 @@ def stack(tiny_chat_llm):
     procs.append(subprocess.Popen(exe + [
         "router", "--llm", tiny_chat_llm, "--port", str(port), "--http-port", str(http),
         "--verifier", f"127.0.0.1:{vport}", "--api-key", KEY,
-        "--max-body-bytes", str(MAX_BODY)], env=env))
+        "--max-body-bytes", str(MAX_BODY), "--max-prompts", "4"], env=env))
     try:
         wait_serving(f"127.0.0.1:{port}", procs[-1], timeout=240)
         yield {"url": f"http://127.0.0.1:{http}", "procs": procs, "model": tiny_chat_llm}

@@ -17,7 +17,7 @@ from jinja2.exceptions import TemplateError
 from services.router.limits import Limits
 from services.router.request import GenRequest
 from specinfer.chat import chat_ids
-from specinfer.errors import InvalidArgument, check_token_ids
+from specinfer.errors import InvalidArgument, ModelNotFound, check_token_ids
 from specinfer.sampling import MAX_LOGPROBS, SamplingParams
 from specinfer.v1 import router_pb2
 from specinfer.wire import sampling_from_proto, sampling_on_the_wire
@@ -37,6 +37,26 @@ def _byte_level_alphabet() -> dict[str, int]:
 BYTE_OF_CHAR = _byte_level_alphabet()
 
 
+def message_text(name: str, content: object) -> str:
+    """A chat message's content as text: a string, or OpenAI's list of content parts of
+    which only ``{"type": "text", "text": ...}`` can be served (joined by newlines, as
+    vLLM does)."""
+    if isinstance(content, list) and content:
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise InvalidArgument(f"{name}[{j}].type", "only text parts are supported "
+                                      "(this model reads text)")
+            if not isinstance(part.get("text"), str):
+                raise InvalidArgument(f"{name}[{j}].text", "must be a string")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if not isinstance(content, str):
+        raise InvalidArgument(name, "must be a string or a non-empty list of text parts")
+    _unicode(name, content)
+    return content
+
+
 @dataclass
 class Frontend:
     """Tokenizer, chat template and model name: what turns API input into a GenRequest."""
@@ -52,15 +72,18 @@ class Frontend:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidArgument("messages", "this model has no chat template (a base "
+                                  "model): send a prompt to /v1/completions instead")
         for i, m in enumerate(messages):
             if m.get("role") not in ("system", "user", "assistant"):
                 raise InvalidArgument(f"messages[{i}].role", "must be system, user or assistant")
-            if not isinstance(m.get("content"), str):
-                raise InvalidArgument(f"messages[{i}].content", "must be a string")
-            _unicode(f"messages[{i}].content", m["content"])
+        contents = [message_text(f"messages[{i}].content", m.get("content"))
+                    for i, m in enumerate(messages)]
         try:  # the template sees role and content only, as from the gRPC API
-            return chat_ids(self.tokenizer, [{"role": m["role"], "content": m["content"]}
-                                             for m in messages])
+            return chat_ids(self.tokenizer, [{"role": m["role"], "content": text}
+                                             for m, text in zip(messages, contents,
+                                                                strict=True)])
         except TemplateError as exc:  # e.g. a template whose roles must alternate
             raise InvalidArgument("messages", f"refused by the chat template: {exc}") from None
 
@@ -131,8 +154,7 @@ class Frontend:
     def check_model(self, model: object) -> None:
         """A request's model: unset (None) or the one served."""
         if model is not None and model != self.model_name:
-            raise InvalidArgument("model", f"unknown model {model!r}; serving "
-                                  f"{self.model_name!r}")
+            raise ModelNotFound(str(model), self.model_name)
 
 
 def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequest:
@@ -164,7 +186,7 @@ def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequ
     return GenRequest(ids, msg.max_tokens, params,
                       speculation=msg.speculation if msg.HasField("speculation") else True,
                       stop=[s for s in msg.stop if s], stop_ids=set(msg.stop_token_ids),
-                      session_id=msg.session_id,
+                      session_id=msg.session_id, ignore_eos=msg.ignore_eos,
                       operation="chat" if kind == "chat" else "text_completion")
 
 
@@ -317,6 +339,7 @@ UNSUPPORTED = {
     "best_of": lambda v: v == 1 and not isinstance(v, bool),  # (True == 1 in Python)
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
+    "min_tokens": lambda v: v == 0 and not isinstance(v, bool),  # vLLM's; not served
 }
 
 
@@ -346,38 +369,62 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
     fe.check_model(body.get("model"))
     _refuse_unsupported(body)
     _flag(body, "stream")  # read by the HTTP layer: a bool or null, not any truthy value
-    ids = _chat_ids(fe, body) if chat else _prompt_ids(fe, body)
-    fe.limits.check_prompt("messages" if chat else "prompt", len(ids))
+    prompts = [_chat_ids(fe, body)] if chat else _prompts_ids(fe, body)
+    for k, ids in enumerate(prompts):
+        fe.limits.check_prompt("messages" if chat else _prompt_field(prompts, k), len(ids))
     n = _choices(body, fe.limits)
     params = _params(body, chat)
     fe.limits.check_logprobs("top_logprobs" if chat else "logprobs", params.logprobs)
     fe.limits.check_stop("stop", _stop(body))
     fe.check_ids("logit_bias", [t for t, _ in params.logit_bias])
+    fe.check_ids("stop_token_ids", sorted(_stop_token_ids(body)))
     out = []
-    for i in range(n):
-        p = params if params.seed is None else dataclasses.replace(
-            params, seed=(params.seed + i) % 2**64)
-        req = _openai_request(body, ids, None if chat else 16, p, fe.limits)
-        req.operation = "chat" if chat else "text_completion"
-        out.append(req)
+    for k, ids in enumerate(prompts):  # OpenAI's choice index: prompt * n + choice
+        for i in range(n):
+            p = params if params.seed is None else dataclasses.replace(
+                params, seed=(params.seed + i) % 2**64)
+            req = _openai_request(body, ids, None if chat else 16, p, fe.limits,
+                                  "messages" if chat else _prompt_field(prompts, k))
+            req.operation = "chat" if chat else "text_completion"
+            out.append(req)
     return out
 
 
-def _prompt_ids(fe: Frontend, body: dict) -> list[int]:
+def _prompt_field(prompts: list, k: int) -> str:
+    return "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+
+
+def _prompts_ids(fe: Frontend, body: dict) -> list[list[int]]:
+    """The completions ``prompt``: a string or token ids, or a batch of either (a list of
+    strings, a list of token-id lists), as OpenAI's legacy API takes it."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    batch = isinstance(prompt, list) and prompt and all(
+        isinstance(p, str) or (isinstance(p, list) and p) for p in prompt)
+    if not batch:
+        return [_prompt_ids(fe, "prompt", prompt)]
+    if len(prompt) > fe.limits.max_prompts:
+        raise InvalidArgument("prompt", f"{len(prompt)} prompts; at most "
+                              f"{fe.limits.max_prompts} per request (--max-prompts)")
+    return [_prompt_ids(fe, f"prompt[{k}]", p) for k, p in enumerate(prompt)]
+
+
+def _prompt_ids(fe: Frontend, field: str, prompt: object) -> list[int]:
     if isinstance(prompt, str):
-        ids = fe.encode_prompt(_unicode("prompt", prompt)) if prompt else []
+        ids = fe.encode_prompt(_unicode(field, prompt)) if prompt else []
         if prompt and not ids:  # e.g. only control characters the tokenizer drops
-            raise InvalidArgument("prompt", "tokenizes to nothing")
+            raise InvalidArgument(field, "tokenizes to nothing")
+        if not ids:
+            raise InvalidArgument(field, "must not be empty")
         return ids
     # JSON integers: 7 and 7.0 alike (as JSON Schema has it), never true/false.
     if isinstance(prompt, list) and all(_integral(t) for t in prompt):
         ids = [int(t) for t in prompt]
-        fe.check_ids("prompt", ids)
+        if not ids:
+            raise InvalidArgument(field, "must not be empty")
+        fe.check_ids(field, ids)
         return ids
-    raise InvalidArgument("prompt", "must be a string or a list of token ids")
+    raise InvalidArgument(field, "must be a string, a list of token ids, or a list of "
+                                 "either (a batch)")
 
 
 def _integral(value: object) -> bool:
@@ -395,9 +442,9 @@ def _chat_ids(fe: Frontend, body: dict) -> list[int]:
 
 
 def _openai_request(body: dict, ids: list[int], default_max: int | None,
-                    params: SamplingParams, limits: Limits) -> GenRequest:
+                    params: SamplingParams, limits: Limits, field: str) -> GenRequest:
     if not ids:
-        raise InvalidArgument("prompt", "must not be empty")
+        raise InvalidArgument(field, "must not be empty")
     given = body.get("max_completion_tokens")  # the newer name wins; null is "not given"
     if given is None:
         given = body.get("max_tokens")
@@ -411,7 +458,19 @@ def _openai_request(body: dict, ids: list[int], default_max: int | None,
         limits.check_max_tokens("max_tokens", max_tokens)
     spec = _flag(body, "speculation")
     return GenRequest(ids, max_tokens, params, speculation=spec is not False,
-                      stop=_stop(body), session_id=_user(body))
+                      stop=_stop(body), stop_ids=_stop_token_ids(body),
+                      ignore_eos=bool(_flag(body, "ignore_eos")), session_id=_user(body))
+
+
+def _stop_token_ids(body: dict) -> set[int]:
+    """vLLM's ``stop_token_ids``: token ids that end the request as EOS does (checked
+    against the vocabulary in ``openai_requests``)."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return set()
+    if not isinstance(ids, list) or not all(_integral(t) for t in ids):
+        raise InvalidArgument("stop_token_ids", "must be a list of token ids")
+    return {int(t) for t in ids}
 
 
 def _flag(body: dict, name: str) -> bool | None:

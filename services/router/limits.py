@@ -25,6 +25,7 @@ class Limits:
     max_stop_chars: int = 1024
     max_logprobs: int = MAX_LOGPROBS
     max_streams_per_key: int = 256
+    max_prompts: int = 32  # prompts in one completions request (a batch)
 
     def check_stop(self, field: str, stop: list[str]) -> None:
         if len(stop) > self.max_stop_strings:
@@ -70,14 +71,18 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="requests (choices) one API key may have in flight at once (HTTP "
                         "429 / RESOURCE_EXHAUSTED past it); without keys, all requests share "
                         "one count")
+    p.add_argument("--max-prompts", type=int, default=d.max_prompts,
+                   help="most prompts in one /v1/completions request (a list of prompts: "
+                        "one choice each, times n)")
 
 
 def from_flags(args: argparse.Namespace) -> Limits:
     limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens, args.max_n,
                     args.max_stop_strings, args.max_stop_chars, args.max_logprobs,
-                    args.max_streams_per_key)
+                    args.max_streams_per_key, args.max_prompts)
     for name, value in vars(limits).items():
-        least = 1 if name in ("max_body_bytes", "max_n", "max_streams_per_key") else 0
+        least = 1 if name in ("max_body_bytes", "max_n", "max_streams_per_key",
+                              "max_prompts") else 0
         if value < least:
             raise ModelError(f"--{name.replace('_', '-')} must be >= {least}; got {value}")
     if limits.max_logprobs > MAX_LOGPROBS:

@@ -7,11 +7,13 @@ While tracing is on, each API call runs in a server span, the child of the calle
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 
 import grpc
 from aiohttp import web
@@ -32,8 +34,8 @@ log = logging.getLogger(__name__)
 
 def _error(status: int, message: str, param: str | None = None,
            kind: str = "invalid_request_error",
-           retry_after_s: float | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+           retry_after_s: float | None = None, code: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     headers = {"Retry-After": str(math.ceil(retry_after_s))} if retry_after_s else None
     return web.json_response(body, status=status, headers=headers)
 
@@ -43,7 +45,7 @@ def _service_error(exc: ServiceError) -> web.Response:
     kind = "rate_limit_error" if exc.http_status == 429 else \
         "invalid_request_error" if exc.http_status < 500 else "server_error"
     return _error(exc.http_status, str(exc), getattr(exc, "field", None), kind,
-                  getattr(exc, "retry_after_s", None))
+                  getattr(exc, "retry_after_s", None), getattr(exc, "openai_code", None))
 
 
 class OpenAIApi:
@@ -52,7 +54,9 @@ class OpenAIApi:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": self.fe.model_name, "object": "model", "created": 0, "owned_by": "specinfer"}
+            {"id": self.fe.model_name, "object": "model", "created": 0, "owned_by": "specinfer",
+             # vLLM's: the context a request fits in (prompt + generated tokens)
+             "max_model_len": self.scheduler.replicas.max_context}
         ]})
 
     async def _body(self, request: web.Request) -> dict:
@@ -102,19 +106,21 @@ class OpenAIApi:
                 self.scheduler.cancel(req)
             return _service_error(exc)
         gens = [Generation(req, self.fe) for req in reqs]
+        # n choices per prompt (validated by openai_requests; null is 1)
+        usage = functools.partial(self._usage, gens, int(body.get("n") or 1))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         try:
             if not body.get("stream"):
-                return await self._whole(gens, rid, created, chat)
-            return await self._stream(request, gens, rid, created, chat)
+                return await self._whole(gens, rid, created, chat, usage)
+            return await self._stream(request, gens, rid, created, chat, usage)
         except (asyncio.CancelledError, ConnectionResetError):
             for req in reqs:  # the client went away
                 self.scheduler.cancel(req)
             raise
 
     async def _whole(self, gens: list[Generation], rid: str, created: int,
-                     chat: bool) -> web.Response:
+                     chat: bool, usage: Callable[[], dict]) -> web.Response:
         async def drain(gen: Generation) -> None:
             async for _ in gen.deltas():
                 pass
@@ -137,10 +143,11 @@ class OpenAIApi:
             choices.append(choice)
         return web.json_response({"id": rid, "created": created, "model": self.fe.model_name,
                                   "object": "chat.completion" if chat else "text_completion",
-                                  "choices": choices, "usage": self._usage(gens)})
+                                  "choices": choices, "usage": usage()})
 
     async def _stream(self, request: web.Request, gens: list[Generation], rid: str,
-                      created: int, chat: bool) -> web.StreamResponse:
+                      created: int, chat: bool, usage: Callable[[], dict]
+                      ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -200,7 +207,7 @@ class OpenAIApi:
                     await send([choice(i, "", end, tokens=tokens)])
                     open_choices -= 1
             else:
-                await send([], usage=self._usage(gens))
+                await send([], usage=usage())
             await resp.write(b"data: [DONE]\n\n")
         finally:
             for t in pumps:
@@ -237,8 +244,9 @@ class OpenAIApi:
                 "text_offset": self.fe.text_offsets(req.generated, start, end)}
 
     @staticmethod
-    def _usage(gens: list[Generation]) -> dict:
-        prompt = len(gens[0].req.prompt_ids)
+    def _usage(gens: list[Generation], n: int) -> dict:
+        """OpenAI's usage: each prompt counted once (its ``n`` choices share it)."""
+        prompt = sum(len(g.req.prompt_ids) for g in gens[::n])
         completion = sum(len(g.req.generated) for g in gens)
         steps = [s for g in gens for s in g.req.accepted_per_step]
         return {"prompt_tokens": prompt, "completion_tokens": completion,

@@ -83,6 +83,7 @@ def _errors(limits: Limits) -> dict:
         "400": error("Invalid request: the error's param names the field (a bad value, an "
                      "unsupported field, a prompt longer than the context)."),
         "401": error("Missing or wrong API key (when the router runs with --api-key)."),
+        "404": error("The request's model is not the one served (code model_not_found)."),
         "413": error(f"The request body is larger than {limits.max_body_bytes} bytes "
                      "(--max-body-bytes)."),
         "429": error("No capacity: too many queued requests, waited past the queue "
@@ -142,6 +143,12 @@ def _common_properties(model_name: str, vocab_size: int, limits: Limits) -> dict
                                   "decodes one token per step (default true)."}),
         "user": _nullable({"type": "string", "description": "Keeps a conversation on the "
                            "verifier holding its KV cache."}),
+        "ignore_eos": _nullable({"type": "boolean", "description": "vLLM's: generate past "
+                                 "the end-of-sequence token (default false)."}),
+        "stop_token_ids": _nullable({"type": "array", "items": {
+            "type": "integer", "minimum": 0, "maximum": vocab_size - 1},
+            "description": "vLLM's: token ids that end the choice as EOS does."}),
+        "min_tokens": _refused({"const": 0}, "only 0."),
         "response_format": _refused({"type": "object", "required": ["type"],
                                      "properties": {"type": {"const": "text"}}},
                                     'only {"type": "text"}.'),
@@ -171,11 +178,15 @@ def _request_schemas(model_name: str, vocab_size: int, max_context: int,
         "properties": {
             "prompt": {"anyOf": [
                 {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "maxItems": 1,
-                 "items": {"type": "string", "minLength": 1}},
                 token_ids,
-            ], "description": f"Text, or token ids; at most {most} tokens (a longer "
-                              "prompt is a 400 naming prompt)."},
+                {"type": "array", "minItems": 1, "maxItems": limits.max_prompts,
+                 "items": {"type": "string", "minLength": 1}},
+                {"type": "array", "minItems": 1, "maxItems": limits.max_prompts,
+                 "items": token_ids},
+            ], "description": f"Text or token ids, or a batch of either (at most "
+                              f"{limits.max_prompts} prompts, --max-prompts; choice index = "
+                              f"prompt * n + choice); at most {most} tokens a prompt (a "
+                              "longer prompt is a 400 naming it)."},
             **common,
             "logprobs": _nullable({"type": "integer", "minimum": 0,
                                    "maximum": limits.max_logprobs,
@@ -190,7 +201,13 @@ def _request_schemas(model_name: str, vocab_size: int, max_context: int,
             "messages": {"type": "array", "minItems": 1, "items": {
                 "type": "object", "required": ["role", "content"],
                 "properties": {"role": {"enum": ["system", "user", "assistant"]},
-                               "content": {"type": "string"}},
+                               "content": {"anyOf": [{"type": "string"}, {
+                                   "type": "array", "minItems": 1, "items": {
+                                       "type": "object", "required": ["type", "text"],
+                                       "properties": {"type": {"const": "text"},
+                                                      "text": {"type": "string"}}}}],
+                                   "description": "Text, or text parts (joined by "
+                                                  "newlines)."}},
             }, "description": f"Rendered with the model's chat template; at most {most} "
                               "tokens in all (more: a 400 naming messages or prompt)."},
             **common,
@@ -293,7 +310,8 @@ def _response_schemas() -> dict:
                 "type": "object", "required": ["id", "object", "created", "owned_by"],
                 "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                                "created": {"type": "integer"},
-                               "owned_by": {"type": "string"}}}}}},
+                               "owned_by": {"type": "string"},
+                               "max_model_len": {"type": "integer", "minimum": 1}}}}}},
         "Error": _error_body(),
     }
 

@@ -49,6 +49,7 @@ class GenRequest:
     speculation: bool = True
     stop: list[str] = field(default_factory=list)
     stop_ids: set[int] = field(default_factory=set)
+    ignore_eos: bool = False  # EOS does not end it (stop_ids still do)
     session_id: str = ""
     operation: str = "text_completion"  # or "chat" (OpenTelemetry's gen_ai.operation.name)
     id: str = field(default_factory=lambda: f"r{next(_ids)}-{time.monotonic_ns() % 10**9}")
@@ -96,7 +97,7 @@ class GenRequest:
             if len(self.generated) >= self.max_tokens:
                 break
             self.generated.append(tok)
-            if tok in eos_ids or tok in self.stop_ids:
+            if tok in self.stop_ids or (tok in eos_ids and not self.ignore_eos):
                 self.finish_reason = "stop"
                 break
         if self.stop and detokenize:  # also when an EOS ended the step's tokens
