@@ -9,7 +9,8 @@ service is killed every ``--kill-every`` seconds (``up`` restarts it). Then it c
   within max_tokens; greedy ones equal to the reference taken before the load, speculation
   off) or refused with a clear status (RESOURCE_EXHAUSTED / HTTP 429, DEADLINE_EXCEEDED for
   short deadlines, UNAVAILABLE while a killed router restarts, INVALID_ARGUMENT / HTTP 400
-  for bad requests); none unanswered within ``--request-timeout``;
+  for bad requests, NOT_FOUND / HTTP 404 for a model not served); none unanswered within
+  ``--request-timeout``;
 - the verifiers' KV slots all free at the end (``Info.live_sequences`` == 0);
 - no service died but those killed, and ``up`` stops cleanly (exit 0) on SIGTERM;
 - the resident memory (VmRSS) of every process, sampled over the run: its slope after
@@ -70,13 +71,14 @@ MIX = {"stream": 25, "unary": 15, "sampled": 10, "cancel": 10, "deadline": 10, "
 BAD_GRPC = [dict(temperature=-1.0), dict(top_p=1.5), dict(max_tokens=0), dict(model="nope"),
             dict(prompt="")]
 BAD_HTTP = [{"temperature": -1}, {"top_p": 1.5}, {"max_tokens": 0}, {"n": 99},
-            {"logprobs": "yes"}, {"tools": [{"type": "function"}]}]
+            {"logprobs": "yes"}, {"tools": [{"type": "function"}]}, {"model": "nope"}]
 GOOD = {"complete", "resource_exhausted"}  # for every good request, whatever happens
+REFUSED = {"invalid_argument", "not_found"}  # for every bad one
 
 
 def expected_outcomes(kind: str, kill: str | None) -> set[str]:
     """The outcomes that are right for a request of ``kind`` (anything else fails)."""
-    ok = {"invalid_argument"} if kind in ("bad", "http_bad") else set(GOOD)
+    ok = set(REFUSED) if kind in ("bad", "http_bad") else set(GOOD)
     if kind == "cancel":
         ok.add("cancelled")
     if kind == "deadline":
@@ -93,7 +95,7 @@ class Record:
     started_s: float  # since the load began
     seconds: float
     outcome: str  # complete, cancelled, deadline_exceeded, resource_exhausted, unavailable,
-    # invalid_argument, wrong (answered, but not as it should be), lost, error
+    # invalid_argument, not_found, wrong (answered, but not as it should be), lost, error
     tokens: int = 0
     speculative_steps: int = 0
     detail: str = ""  # a status message or what was wrong (never prompt text)
@@ -104,11 +106,12 @@ def _code_outcome(code: grpc.StatusCode) -> str:
             grpc.StatusCode.UNAVAILABLE: "unavailable",
             grpc.StatusCode.DEADLINE_EXCEEDED: "deadline_exceeded",
             grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
+            grpc.StatusCode.NOT_FOUND: "not_found",
             grpc.StatusCode.CANCELLED: "cancelled"}.get(code, "error")
 
 
 def _http_outcome(status: int) -> str:
-    return {400: "invalid_argument", 429: "resource_exhausted",
+    return {400: "invalid_argument", 404: "not_found", 429: "resource_exhausted",
             503: "unavailable"}.get(status, "error")
 
 

@@ -107,7 +107,14 @@ def test_openai_client_plain_and_streaming(stack, reference):
     chat = client.chat.completions.create(model=model, max_tokens=12, temperature=0,
                                           messages=[{"role": "user", "content": "Hi"}])
     assert text == chat.choices[0].message.content
-    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    # Without include_usage no chunk lacks a choice (code reading choices[0] works), and
+    # none carries usage, as OpenAI streams.
+    plain = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+        temperature=0, stream=True))
+    assert all(ch.choices and ch.usage is None for ch in plain)
+    assert "".join(ch.choices[0].delta.content or "" for ch in plain) == text
 
 
 def test_logprobs_are_the_same_with_speculation_on_and_off(stack, reference):

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # minute, ~11 MiB/min over five, decelerating); a leaked KV slot or logits row per request
 # (~300 KiB / 200 KiB, ~12 requests a second here) would climb 140-200 MiB/min or more.
 SLOPE_MIB_PER_MIN = 100.0
+REFUSED = {"invalid_argument", "not_found"}  # a bad request's answers (a model not served)
 
 
 def test_one_minute_soak_loses_nothing(tiny_chat_llm, tmp_path):
@@ -38,8 +39,8 @@ def test_one_minute_soak_loses_nothing(tiny_chat_llm, tmp_path):
     for kind in ("stream", "unary", "sampled", "http"):
         assert outcomes[kind].get("complete", 0) > 0, (kind, outcomes[kind])
     assert outcomes["cancel"].get("cancelled", 0) > 0
-    assert set(outcomes["bad"]) == {"invalid_argument"}
-    assert set(outcomes["http_bad"]) == {"invalid_argument"}
+    assert outcomes["bad"] and set(outcomes["bad"]) <= REFUSED
+    assert outcomes["http_bad"] and set(outcomes["http_bad"]) <= REFUSED
     assert report["speculative_steps"] > 0  # the quiet spell: the router speculated
     slopes = report["memory_slope_mib_per_min"]
     assert {name.split("[")[0] for name in slopes} == {"up", "router", "speculator",

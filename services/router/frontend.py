@@ -369,6 +369,7 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
     fe.check_model(body.get("model"))
     _refuse_unsupported(body)
     _flag(body, "stream")  # read by the HTTP layer: a bool or null, not any truthy value
+    stream_usage(body)  # (likewise)
     prompts = [_chat_ids(fe, body)] if chat else _prompts_ids(fe, body)
     for k, ids in enumerate(prompts):
         fe.limits.check_prompt("messages" if chat else _prompt_field(prompts, k), len(ids))
@@ -471,6 +472,21 @@ def _stop_token_ids(body: dict) -> set[int]:
     if not isinstance(ids, list) or not all(_integral(t) for t in ids):
         raise InvalidArgument("stop_token_ids", "must be a list of token ids")
     return {int(t) for t in ids}
+
+
+def stream_usage(body: dict) -> bool:
+    """OpenAI's ``stream_options.include_usage``: whether a stream ends with a usage chunk
+    (its ``choices`` empty, which clients reading ``choices[0]`` of every chunk do not
+    expect unless they asked for it)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise InvalidArgument("stream_options", "must be an object")
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise InvalidArgument("stream_options.include_usage", "must be a boolean")
+    return bool(include)
 
 
 def _flag(body: dict, name: str) -> bool | None:

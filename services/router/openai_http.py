@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP API on the router: ``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions`` (``stream: true`` as server-sent events: content chunks, a final
-usage chunk, then ``[DONE]``), with OpenAI-shaped errors; and Prometheus' ``/metrics``.
+``/v1/chat/completions`` (``stream: true`` as server-sent events: content chunks, a usage
+chunk with ``stream_options.include_usage``, then ``[DONE]``), with OpenAI-shaped errors;
+``/health``; and Prometheus' ``/metrics``.
 While tracing is on, each API call runs in a server span, the child of the caller's W3C
 ``traceparent`` header."""
 
@@ -21,7 +22,7 @@ from opentelemetry.trace import Status, StatusCode
 from prometheus_client import CollectorRegistry
 
 from services.router.auth import ApiKeys
-from services.router.frontend import Frontend, Generation, openai_requests
+from services.router.frontend import Frontend, Generation, openai_requests, stream_usage
 from services.router.limits import KeyStreams
 from services.router.openapi import openapi_document, openapi_handler
 from services.router.request import GenRequest
@@ -113,7 +114,8 @@ class OpenAIApi:
         try:
             if not body.get("stream"):
                 return await self._whole(gens, rid, created, chat, usage)
-            return await self._stream(request, gens, rid, created, chat, usage)
+            return await self._stream(request, gens, rid, created, chat,
+                                      usage if stream_usage(body) else None)
         except (asyncio.CancelledError, ConnectionResetError):
             for req in reqs:  # the client went away
                 self.scheduler.cancel(req)
@@ -146,8 +148,10 @@ class OpenAIApi:
                                   "choices": choices, "usage": usage()})
 
     async def _stream(self, request: web.Request, gens: list[Generation], rid: str,
-                      created: int, chat: bool, usage: Callable[[], dict]
+                      created: int, chat: bool, usage: Callable[[], dict] | None
                       ) -> web.StreamResponse:
+        """Server-sent events: the choices' deltas interleaved, a usage chunk if asked for
+        (``usage``), then ``[DONE]``."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -207,7 +211,8 @@ class OpenAIApi:
                     await send([choice(i, "", end, tokens=tokens)])
                     open_choices -= 1
             else:
-                await send([], usage=usage())
+                if usage is not None:
+                    await send([], usage=usage())
             await resp.write(b"data: [DONE]\n\n")
         finally:
             for t in pumps:

@@ -130,6 +130,9 @@ def _common_properties(model_name: str, vocab_size: int, limits: Limits) -> dict
                                   "max_tokens."},
         "n": _nullable({"type": "integer", "minimum": 1, "maximum": limits.max_n}),
         "stream": _nullable({"type": "boolean", "description": "Server-sent events."}),
+        "stream_options": _nullable({"type": "object", "properties": {
+            "include_usage": _nullable({"type": "boolean", "description": "End the stream "
+                                        "with a usage chunk (empty choices)."})}}),
         "stop": _nullable({"anyOf": [stop, {"type": "array",
                                             "maxItems": limits.max_stop_strings,
                                             "items": stop}]}),
@@ -324,7 +327,8 @@ def _generate_operation(summary: str, request: str, response: str, errors: dict)
             "application/json": {"schema": {"$ref": ref + request}}}},
         "responses": {
             "200": {"description": "The completion; with stream: true, server-sent events "
-                                   "(data: chunk JSON per delta, a usage chunk, an error event "
+                                   "(data: chunk JSON per delta, a usage chunk with "
+                                   "stream_options.include_usage, an error event "
                                    "if generation fails, then data: [DONE]).",
                     "content": {"application/json": {"schema": {"$ref": ref + response}},
                                 "text/event-stream": {"schema": {
