@@ -1,7 +1,8 @@
 """``SpeculateStream``: the same trees as the unary ``Speculate`` for the same contexts, step
 after step with accepted paths of every length, greedy and sampled, and after the stream is
-dropped and opened again; its refusals; and a router that drafts over it keeping greedy
-output identical while its speculator is killed and restarted."""
+dropped and opened again; its refusals; a router that drafts over it keeping greedy output
+identical while its speculator is killed and restarted; and the router's streams following
+the speculator pool as service discovery changes it."""
 
 from __future__ import annotations
 
@@ -215,3 +216,71 @@ def test_router_over_the_stream_survives_a_speculator_restart(tiny_chat_llm):
                 assert c.generate(p, max_tokens=48).token_ids == reference[p]
     finally:
         stop_processes(procs)
+
+
+def test_streams_open_and_close_as_discovery_changes_the_pool(tiny_llama):
+    """The router's pool as service discovery changes it: a replica that leaves has its
+    stream cancelled; the sequences' next step goes to another replica over a new stream
+    from full contexts, with the trees its unary Speculate gives; a replica that comes back
+    starts with an empty stream."""
+    args = ("speculator", "--llm", tiny_llama, "--ssm", tiny_llama, "--max-nodes", "32",
+            "--max-context", "512", "--threads", "1")
+    with service(*args) as (a, _), service(*args) as (b, _):
+        asyncio.run(_follow_the_pool(a, b))
+
+
+async def _follow_the_pool(a: str, b: str) -> None:
+    from services.router.drafting import SpeculatorPool
+    from services.router.metrics import RouterMetrics
+    from services.router.policy import SpeculationMode
+    from services.router.request import GenRequest, Replica
+    from specinfer.sampling import SamplingParams
+
+    pool = SpeculatorPool([a], RouterMetrics("m"), stream=True)
+    await pool.await_serving(60)
+    mode = SpeculationMode("tree", expansion=tuple(TREE.expansion))
+    reqs = [GenRequest(list(range(3, 3 + n)), 64, SamplingParams()) for n in (5, 9)]
+    for r in reqs:
+        r.replica = Replica("verifier", None, None, max_tree_nodes=32, max_context=512)
+    channels = {addr: grpc.aio.insecure_channel(addr) for addr in (a, b)}
+
+    async def step_on(addr: str) -> dict[str, int]:
+        """One step's trees from the pool, checked against ``addr``'s unary call; returns
+        the histories' lengths it drafted for."""
+        drafted_for = {r.id: len(r.history) for r in reqs}
+        trees = await pool.speculate(reqs, TREE.max_nodes, mode)
+        unary = await speculator_pb2_grpc.SpeculatorStub(channels[addr]).Speculate(
+            speculator_pb2.SpeculateRequest(items=[speculator_pb2.SpeculateItem(
+                sequence_id=r.id, context=r.history, sampling=GREEDY, tree=TREE)
+                for r in reqs]), timeout=30)
+        assert set(trees) == {r.id for r in reqs}
+        for res in unary.results:
+            same_tree(trees[res.sequence_id], res.tree)
+        for k, r in enumerate(reqs):  # accepted paths of different lengths
+            r.generated += [7 + k] * (k + 1)
+        return drafted_for
+
+    try:
+        for _ in range(3):
+            await step_on(a)
+        stream_a = pool.members[a].stream
+        call_a = stream_a.call
+        assert stream_a.step == 3 and call_a is not None
+        pool.update(frozenset({b}))  # a leaves, b joins
+        assert a not in pool.members and stream_a.call is None
+        await asyncio.sleep(0.1)
+        assert call_a.done() and call_a.cancelled()
+        await pool.await_serving(60)
+        drafted_for = await step_on(b)
+        stream_b = pool.members[b].stream
+        assert stream_b.step == 1  # a new stream, full contexts: the trees matched above
+        assert stream_b.sent == drafted_for
+        await step_on(b)  # and deltas from then on
+        assert stream_b.step == 2
+        pool.update(frozenset({a, b}))  # a is back: a fresh member, nothing held for it
+        assert pool.members[a].stream is not stream_a and not pool.members[a].stream.sent
+        assert pool.members[a].stream.call is None
+    finally:
+        await pool.close()
+        for channel in channels.values():
+            await channel.close()
