@@ -114,3 +114,29 @@ def test_chat_content_forms_and_a_model_without_a_chat_template():
     with pytest.raises(InvalidArgument) as err:
         Frontend(base, "m", 49152).encode_chat([{"role": "user", "content": "hi"}])
     assert err.value.field == "messages" and "/v1/completions" in str(err.value)
+
+
+def test_text_prompts_get_the_tokenizers_bos_as_generate_sees_them():
+    """A tokenizer that adds a BOS (Llama's, Mistral's): a completions prompt is encoded as
+    ``tokenizer(text)`` is (what ``generate`` sees, and what vLLM and TGI send), unless the
+    request sets vLLM's ``add_special_tokens: false``."""
+    from tokenizers import processors
+
+    from services.router.frontend import Frontend, openai_requests
+    from specinfer.models import DEFAULT_LLM, load_tokenizer
+
+    tokenizer = load_tokenizer(DEFAULT_LLM)
+    bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    fe = Frontend(tokenizer, "m", 49152)
+    text_ids = tokenizer("Hello world", add_special_tokens=False)["input_ids"]
+    assert tokenizer("Hello world")["input_ids"] == [bos, *text_ids]
+    [req] = openai_requests(fe, {"prompt": "Hello world"}, chat=False)
+    assert req.prompt_ids == [bos, *text_ids]
+    [req] = openai_requests(fe, {"prompt": "Hello world", "add_special_tokens": False},
+                            chat=False)
+    assert req.prompt_ids == text_ids
+    [req] = openai_requests(fe, {"prompt": [5, 6]}, chat=False)  # ids are taken as given
+    assert req.prompt_ids == [5, 6]
+    assert fe.byte_level  # the check reads the text's tokens alone

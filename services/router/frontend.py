@@ -68,8 +68,11 @@ class Frontend:
     limits: Limits = field(default_factory=Limits)
     _token_bytes: dict[int, bytes] = field(default_factory=dict, repr=False)
 
-    def encode_prompt(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids as the tokenizer makes them by default (with its BOS, for the
+        tokenizers that add one: what ``generate`` on ``tokenizer(text)`` sees, and what
+        vLLM and TGI send); ``add_special_tokens=False``: the text's tokens alone."""
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -108,7 +111,7 @@ class Frontend:
         """Whether the vocabulary spells tokens in the byte-level alphabet (checked on text
         that needs it: a space, a Latin-1 letter, a 4-byte emoji)."""
         sample = " é\U0001F600"
-        pieces = self.tokenizer.convert_ids_to_tokens(self.encode_prompt(sample))
+        pieces = self.tokenizer.convert_ids_to_tokens(self.encode_prompt(sample, False))
         spelled = [BYTE_OF_CHAR.get(c) for p in pieces for c in p]
         return None not in spelled and bytes(spelled) == sample.encode()
 
@@ -401,17 +404,20 @@ def _prompts_ids(fe: Frontend, body: dict) -> list[list[int]]:
     prompt = body.get("prompt")
     batch = isinstance(prompt, list) and prompt and all(
         isinstance(p, str) or (isinstance(p, list) and p) for p in prompt)
+    special = _flag(body, "add_special_tokens") is not False  # vLLM's; default true
     if not batch:
-        return [_prompt_ids(fe, "prompt", prompt)]
+        return [_prompt_ids(fe, "prompt", prompt, special)]
     if len(prompt) > fe.limits.max_prompts:
         raise InvalidArgument("prompt", f"{len(prompt)} prompts; at most "
                               f"{fe.limits.max_prompts} per request (--max-prompts)")
-    return [_prompt_ids(fe, f"prompt[{k}]", p) for k, p in enumerate(prompt)]
+    return [_prompt_ids(fe, f"prompt[{k}]", p, special) for k, p in enumerate(prompt)]
 
 
-def _prompt_ids(fe: Frontend, field: str, prompt: object) -> list[int]:
+def _prompt_ids(fe: Frontend, field: str, prompt: object, special: bool) -> list[int]:
+    """One prompt's ids: text through the tokenizer (``special``: with the special tokens
+    it adds, e.g. a BOS), token ids as given."""
     if isinstance(prompt, str):
-        ids = fe.encode_prompt(_unicode(field, prompt)) if prompt else []
+        ids = fe.encode_prompt(_unicode(field, prompt), special) if prompt else []
         if prompt and not ids:  # e.g. only control characters the tokenizer drops
             raise InvalidArgument(field, "tokenizes to nothing")
         if not ids:

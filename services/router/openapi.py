@@ -191,6 +191,9 @@ def _request_schemas(model_name: str, vocab_size: int, max_context: int,
                               f"prompt * n + choice); at most {most} tokens a prompt (a "
                               "longer prompt is a 400 naming it)."},
             **common,
+            "add_special_tokens": _nullable({"type": "boolean", "description": "vLLM's: "
+                                             "text prompts get the tokenizer's special "
+                                             "tokens (e.g. a BOS); default true."}),
             "logprobs": _nullable({"type": "integer", "minimum": 0,
                                    "maximum": limits.max_logprobs,
                                    "description": "Report each token's logprob and this "
