@@ -176,16 +176,18 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
                   logprobs: int | None = None, logit_bias: dict[int, float] | None = None,
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                   repetition_penalty: float | None = None,
-                  ignore_eos: bool = False) -> router_pb2.GenerateRequest:
+                  ignore_eos: bool = False, min_tokens: int = 0) -> router_pb2.GenerateRequest:
     """``logprobs``: return each token's log-probability and this many alternatives.
     ``ignore_eos``: generate past the end-of-sequence token (fixed-length benchmarks).
+    ``min_tokens``: no end-of-sequence or stop token id before this many tokens (vLLM's).
     ``logit_bias`` (token id -> bias, clamped to +-100), ``presence_penalty`` and
     ``frequency_penalty`` ([-2, 2], over the generated text) as OpenAI's,
     ``repetition_penalty`` (> 0, over prompt and generated text) as vLLM's."""
     sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p,
                                          logit_bias=logit_bias or {},
                                          presence_penalty=presence_penalty,
-                                         frequency_penalty=frequency_penalty)
+                                         frequency_penalty=frequency_penalty,
+                                         min_tokens=min_tokens)
     if repetition_penalty is not None:
         sampling.repetition_penalty = repetition_penalty
     if top_p is not None:

@@ -2,7 +2,7 @@
 
 ``process_logits`` applies the request's logits processors, which depend on the text so
 far: repetition penalty (prompt and generated tokens), frequency and presence penalties
-(generated tokens), logit bias. ``target_probs`` then turns logits into the distribution
+(generated tokens), logit bias, min_tokens. ``target_probs`` then turns logits into the distribution
 a request samples from (temperature → top-k → top-p → min-p, the order transformers
 applies them). Speculative verification and incremental decoding both call them, a tree
 node's row with the node's ancestors counted as generated, so with and without
@@ -46,6 +46,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1 = off
+    # vLLM's min_tokens: these ids (EOS and stop token ids) are suppressed until this many
+    # tokens have been generated.
+    min_tokens: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and self.temperature < float("inf")):
@@ -69,6 +73,14 @@ class SamplingParams:
         if not (0 < self.repetition_penalty < float("inf")):
             raise InvalidSamplingParams(f"repetition_penalty must be > 0, got "
                                         f"{self.repetition_penalty}")
+        if not 0 <= self.min_tokens < 2**31:
+            raise InvalidSamplingParams(f"min_tokens must be in [0, 2**31), got "
+                                        f"{self.min_tokens}")
+        stop_ids = tuple(sorted(set(self.min_tokens_stop_ids)))
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31
+               for t in stop_ids):
+            raise InvalidSamplingParams("min_tokens_stop_ids must be token ids")
+        object.__setattr__(self, "min_tokens_stop_ids", stop_ids)
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) \
             else self.logit_bias
         pairs = {}
@@ -89,7 +101,12 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether the next token depends on the text so far beyond the model's logits."""
         return bool(self.logit_bias) or self.presence_penalty != 0 \
-            or self.frequency_penalty != 0 or self.repetition_penalty != 1
+            or self.frequency_penalty != 0 or self.repetition_penalty != 1 \
+            or self.suppresses_stops
+
+    @property
+    def suppresses_stops(self) -> bool:
+        return self.min_tokens > 0 and bool(self.min_tokens_stop_ids)
 
     def make_generator(self) -> torch.Generator:
         """The request's own random stream (seeded if a seed was given)."""
@@ -107,8 +124,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt: Sequenc
     """``logits [R, V]``, row r the LLM's logits after ``prompt + generated + extra[r]``
     (``extra``: a tree node's path, counted as generated; default none), with the
     request's processors applied: repetition penalty over the prompt and generated tokens,
-    then frequency and presence penalties over the generated ones, then logit bias;
-    clamped to +-LOGIT_LIMIT. Returned as float32 (the input when there is nothing to do).
+    then frequency and presence penalties over the generated ones, then logit bias, then
+    min_tokens (a row whose next token would be generated token number < min_tokens, from
+    0, gets its stop ids at -LOGIT_LIMIT: no probability at any temperature); clamped to
+    +-LOGIT_LIMIT. Returned as float32 (the input when there is nothing to do).
     The shared text is counted once; each row adds only its own few tokens."""
     if not params.processes_logits:
         return logits
@@ -134,7 +153,14 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt: Sequenc
         ids = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long)
         bias = torch.tensor([b for t, b in params.logit_bias if t < vocab])
         out[:, ids] += bias
-    return out.clamp_(-LOGIT_LIMIT, LOGIT_LIMIT)
+    out.clamp_(-LOGIT_LIMIT, LOGIT_LIMIT)
+    if params.suppresses_stops:
+        stops = torch.tensor([t for t in params.min_tokens_stop_ids if t < vocab],
+                             dtype=torch.long)
+        for r, tokens in enumerate(extra or [()] * out.shape[0]):
+            if len(generated) + len(tokens) < params.min_tokens:
+                out[r, stops] = -LOGIT_LIMIT
+    return out
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -37,6 +37,7 @@ def _sampling(msg: common_pb2.SamplingParams) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty
         if msg.HasField("repetition_penalty") else 1.0,
+        min_tokens=msg.min_tokens, min_tokens_stop_ids=tuple(msg.min_tokens_stop_ids),
     )
 
 
@@ -52,6 +53,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     msg.presence_penalty, msg.frequency_penalty = p.presence_penalty, p.frequency_penalty
     if p.repetition_penalty != 1.0:
         msg.repetition_penalty = p.repetition_penalty
+    msg.min_tokens = p.min_tokens
+    msg.min_tokens_stop_ids.extend(p.min_tokens_stop_ids)
     return msg
 
 

@@ -437,9 +437,10 @@ def test_a_batch_of_prompts_answers_each_as_alone(stack):
         assert status == 400 and payload["error"]["param"] == param, payload
 
 
-def test_ignore_eos_and_stop_token_ids(stack):
-    """vLLM's ignore_eos (HTTP and gRPC) and stop_token_ids: EOS forced by logit_bias ends
-    a choice at once unless ignore_eos; a stop token id ends it where it first appears."""
+def test_ignore_eos_stop_token_ids_and_min_tokens(stack):
+    """vLLM's ignore_eos (HTTP and gRPC), stop_token_ids and min_tokens: EOS forced by
+    logit_bias ends a choice at once unless ignore_eos, or at min_tokens; a stop token id
+    ends it where it first appears, not before min_tokens."""
     url = stack["http"] + "/v1/completions"
     eos = 2  # the tiny model's (SmolLM2's <|im_end|>)
 
@@ -464,10 +465,22 @@ def test_ignore_eos_and_stop_token_ids(stack):
     stopped = complete(stop_token_ids=[stop_at])
     assert stopped["usage"]["completion_tokens"] == len(cut)
     assert stopped["finish_reason"] == "stop"
+    # min_tokens: EOS (forced) and the stop ids come no sooner, with speculation or not
+    for spec in (True, False):
+        held = complete(**forced, min_tokens=4, speculation=spec)
+        assert held["usage"]["completion_tokens"] == 5 and held["finish_reason"] == "stop"
+        assert held["usage"]["speculation"]["steps"] <= 5
+    with Client(stack["addr"]) as c:
+        out = c.generate("Paris is", max_tokens=8, logit_bias={eos: 100}, min_tokens=3)
+        assert out.token_ids[3:] == [eos] and eos not in out.token_ids[:3]
+        later = c.generate("Paris is", max_tokens=6, stop_token_ids=[stop_at], min_tokens=6,
+                           speculation=False).token_ids
+    assert stop_at not in later and len(later) == 6
     for body, param in ((b'{"prompt": "a", "stop_token_ids": [49152]}', "stop_token_ids[0]"),
                         (b'{"prompt": "a", "stop_token_ids": "x"}', "stop_token_ids"),
                         (b'{"prompt": "a", "ignore_eos": 1}', "ignore_eos"),
-                        (b'{"prompt": "a", "min_tokens": 3}', "min_tokens")):
+                        (b'{"prompt": "a", "min_tokens": -1}', "min_tokens"),
+                        (b'{"prompt": "a", "min_tokens": 1.5}', "min_tokens")):
         status, payload = http_post(url, body)
         assert status == 400 and payload["error"]["param"] == param, payload
 

@@ -1,7 +1,8 @@
 """Speculative sampling end to end in-process (speculator engine -> verifier engine, the
 code the services run, minus RPC) on a tiny random Llama: with speculation on and off, the
 second and third generated tokens have the same distribution (also with a frequency penalty,
-whose target at a tree node counts the node's ancestors as generated).
+whose target at a tree node counts the node's ancestors as generated, and with min_tokens,
+which suppresses its ids at the second token and not at the third: a tree spans both).
 
 Two-sample chi-square test of homogeneity per token position, N = 1,000 sequences each
 (600 in bfloat16 and int8), cells with fewer than 10 pooled counts merged; pass if
@@ -44,8 +45,11 @@ def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
 @pytest.mark.parametrize("params,dtype", [
     (SamplingParams(0.7), "float32"), (SamplingParams(1.0, top_p=0.8), "float32"),
     (SamplingParams(1.0, frequency_penalty=-2.0, presence_penalty=-2.0), "float32"),
+    (SamplingParams(1.0, min_tokens=2, min_tokens_stop_ids=tuple(range(0, 128, 2))),
+     "float32"),
     (SamplingParams(0.7), "bfloat16"), (SamplingParams(0.7), "int8"),
-], ids=["T=0.7", "top_p=0.8", "T=1 penalties=-2", "T=0.7 bfloat16", "T=0.7 int8"])
+], ids=["T=0.7", "top_p=0.8", "T=1 penalties=-2", "T=1 min_tokens=2", "T=0.7 bfloat16",
+        "T=0.7 int8"])
 def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params, dtype):
     """In every number format: MSS is exact for whatever distribution the LLM computes."""
     placement = resolve("cpu", quantize="int8") if dtype == "int8" else resolve("cpu", dtype)
@@ -75,6 +79,10 @@ def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params, d
         p = homogeneity_pvalue([s[pos] for s in on], [s[pos] for s in off])
         assert p > 1e-3, f"token {pos + 1}: p = {p:.2e}"
     assert accepted < 2 * n  # speculation accepted drafts, so both tokens often came at once
+    if params.min_tokens:  # suppressed before it, and not after
+        suppressed = set(params.min_tokens_stop_ids)
+        assert not {s[pos] for s in on + off for pos in (0, 1)} & suppressed
+        assert {s[2] for s in on} & suppressed
 
 
 @pytest.mark.parametrize("merged", [False, True], ids=["head", "merged"])

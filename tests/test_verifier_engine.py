@@ -104,6 +104,21 @@ def test_batched_speculative_greedy_equals_transformers_generate(engine, hf_mode
     assert sum(len(r.token_ids) - 1 for r in results) > 1.5 * steps
 
 
+def test_min_tokens_greedy_with_speculation_equals_without(engine, hf_model, plain_engine):
+    """vLLM's min_tokens: the suppressed ids (here the plain greedy answer's own next
+    tokens, so suppression changes it) never come before min_tokens, may after, and
+    speculative output equals plain decoding with the same parameters."""
+    prompt = [5, 9, 2, 77, 31]
+    free = generate_local(plain_engine, [prompt], 12, stop_token_ids=[])[0].token_ids
+    params = SamplingParams(min_tokens=6, min_tokens_stop_ids=tuple(free[:3]))
+    plain = generate_local(plain_engine, [prompt], 12, params=params, stop_token_ids=[])[0]
+    fast = generate_local(engine, [prompt], 12, trees=noisy_oracle(hf_model, 3),
+                          params=params, stop_token_ids=[])[0]
+    assert fast.token_ids == plain.token_ids != free
+    assert not set(plain.token_ids[:6]) & set(free[:3])
+    assert fast.steps < len(fast.token_ids) - 1  # drafts were accepted
+
+
 def test_incremental_decoding_equals_transformers_generate(engine, greedy):
     prompts = [[5, 9, 2, 77], [3] * 12]
     results = generate_local(engine, prompts, 25)  # a batch of 2 against one at a time

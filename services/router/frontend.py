@@ -90,6 +90,24 @@ class Frontend:
         except TemplateError as exc:  # e.g. a template whose roles must alternate
             raise InvalidArgument("messages", f"refused by the chat template: {exc}") from None
 
+    @property
+    def eos_ids(self) -> set[int]:
+        """The end-of-sequence ids the router stops at (the tokenizer's)."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return set() if eos is None else {eos}
+
+    def with_min_tokens(self, params: SamplingParams, min_tokens: int, stop_ids: set[int],
+                        ignore_eos: bool, field: str) -> SamplingParams:
+        """``params`` with vLLM's ``min_tokens``: no EOS (unless ignored) and no stop token
+        id before that many tokens (past max_tokens: none in the whole answer)."""
+        if not 0 <= min_tokens < 2**31:
+            raise InvalidArgument(field, "must be an integer in 0..2**31-1")
+        if not min_tokens:
+            return dataclasses.replace(params, min_tokens=0, min_tokens_stop_ids=())
+        stops = stop_ids | (set() if ignore_eos else self.eos_ids)
+        return dataclasses.replace(params, min_tokens=min_tokens,
+                                   min_tokens_stop_ids=tuple(sorted(stops)))
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -186,6 +204,8 @@ def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequ
     fe.limits.check_logprobs("sampling.logprobs", params.logprobs)
     fe.check_ids("sampling.logit_bias", [t for t, _ in params.logit_bias])
     fe.check_ids("stop_token_ids", list(msg.stop_token_ids))
+    params = fe.with_min_tokens(params, params.min_tokens, set(msg.stop_token_ids),
+                                msg.ignore_eos, "sampling.min_tokens")
     return GenRequest(ids, msg.max_tokens, params,
                       speculation=msg.speculation if msg.HasField("speculation") else True,
                       stop=[s for s in msg.stop if s], stop_ids=set(msg.stop_token_ids),
@@ -342,7 +362,6 @@ UNSUPPORTED = {
     "best_of": lambda v: v == 1 and not isinstance(v, bool),  # (True == 1 in Python)
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
-    "min_tokens": lambda v: v == 0 and not isinstance(v, bool),  # vLLM's; not served
 }
 
 
@@ -387,7 +406,7 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
         for i in range(n):
             p = params if params.seed is None else dataclasses.replace(
                 params, seed=(params.seed + i) % 2**64)
-            req = _openai_request(body, ids, None if chat else 16, p, fe.limits,
+            req = _openai_request(body, ids, None if chat else 16, p, fe,
                                   "messages" if chat else _prompt_field(prompts, k))
             req.operation = "chat" if chat else "text_completion"
             out.append(req)
@@ -449,7 +468,8 @@ def _chat_ids(fe: Frontend, body: dict) -> list[int]:
 
 
 def _openai_request(body: dict, ids: list[int], default_max: int | None,
-                    params: SamplingParams, limits: Limits, field: str) -> GenRequest:
+                    params: SamplingParams, fe: Frontend, field: str) -> GenRequest:
+    limits = fe.limits
     if not ids:
         raise InvalidArgument(field, "must not be empty")
     given = body.get("max_completion_tokens")  # the newer name wins; null is "not given"
@@ -464,9 +484,12 @@ def _openai_request(body: dict, ids: list[int], default_max: int | None,
     if given is not None:
         limits.check_max_tokens("max_tokens", max_tokens)
     spec = _flag(body, "speculation")
+    stop_ids, ignore_eos = _stop_token_ids(body), bool(_flag(body, "ignore_eos"))
+    params = fe.with_min_tokens(params, _number(body, "min_tokens", 0, int), stop_ids,
+                                ignore_eos, "min_tokens")
     return GenRequest(ids, max_tokens, params, speculation=spec is not False,
-                      stop=_stop(body), stop_ids=_stop_token_ids(body),
-                      ignore_eos=bool(_flag(body, "ignore_eos")), session_id=_user(body))
+                      stop=_stop(body), stop_ids=stop_ids, ignore_eos=ignore_eos,
+                      session_id=_user(body))
 
 
 def _stop_token_ids(body: dict) -> set[int]:

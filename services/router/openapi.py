@@ -151,7 +151,9 @@ def _common_properties(model_name: str, vocab_size: int, limits: Limits) -> dict
         "stop_token_ids": _nullable({"type": "array", "items": {
             "type": "integer", "minimum": 0, "maximum": vocab_size - 1},
             "description": "vLLM's: token ids that end the choice as EOS does."}),
-        "min_tokens": _refused({"const": 0}, "only 0."),
+        "min_tokens": _nullable({"type": "integer", "minimum": 0, "maximum": 2**31 - 1,
+                                 "description": "vLLM's: no EOS or stop token id before this "
+                                                "many tokens (default 0)."}),
         "response_format": _refused({"type": "object", "required": ["type"],
                                      "properties": {"type": {"const": "text"}}},
                                     'only {"type": "text"}.'),

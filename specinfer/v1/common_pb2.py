@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specinfer/v1/common.proto\x12\x0cspecinfer.v1\"\x81\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\rH\x02\x88\x01\x01\x12?\n\nlogit_bias\x18\x07 \x03(\x0b\x32+.specinfer.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x03\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"Y\n\x05\x44raft\x12\x0e\n\x06source\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x32\n\x08proposal\x18\x03 \x01(\x0b\x32 .specinfer.v1.SparseDistribution\"1\n\nNodeDrafts\x12#\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x13.specinfer.v1.Draft\"V\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12(\n\x06\x64rafts\x18\x03 \x03(\x0b\x32\x18.specinfer.v1.NodeDrafts\"\xa2\x01\n\x10SpeculationStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x19\n\x11\x61\x63\x63\x65pted_per_step\x18\x02 \x03(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\r\x12\x19\n\x11speculate_seconds\x18\x04 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x05 \x01(\x01\x12\x19\n\x11speculative_steps\x18\x06 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specinfer/v1/common.proto\x12\x0cspecinfer.v1\"\xb2\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\rH\x02\x88\x01\x01\x12?\n\nlogit_bias\x18\x07 \x03(\x0b\x32+.specinfer.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x1b\n\x13min_tokens_stop_ids\x18\x0c \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"Y\n\x05\x44raft\x12\x0e\n\x06source\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x32\n\x08proposal\x18\x03 \x01(\x0b\x32 .specinfer.v1.SparseDistribution\"1\n\nNodeDrafts\x12#\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x13.specinfer.v1.Draft\"V\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12(\n\x06\x64rafts\x18\x03 \x03(\x0b\x32\x18.specinfer.v1.NodeDrafts\"\xa2\x01\n\x10SpeculationStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x19\n\x11\x61\x63\x63\x65pted_per_step\x18\x02 \x03(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\r\x12\x19\n\x11speculate_seconds\x18\x04 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x05 \x01(\x01\x12\x19\n\x11speculative_steps\x18\x06 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=429
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=326
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=374
-  _globals['_TOKENLOGPROB']._serialized_start=431
-  _globals['_TOKENLOGPROB']._serialized_end=507
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=509
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=563
-  _globals['_DRAFT']._serialized_start=565
-  _globals['_DRAFT']._serialized_end=654
-  _globals['_NODEDRAFTS']._serialized_start=656
-  _globals['_NODEDRAFTS']._serialized_end=705
-  _globals['_TOKENTREE']._serialized_start=707
-  _globals['_TOKENTREE']._serialized_end=793
-  _globals['_SPECULATIONSTATS']._serialized_start=796
-  _globals['_SPECULATIONSTATS']._serialized_end=958
-  _globals['_USAGE']._serialized_start=960
-  _globals['_USAGE']._serialized_end=1047
+  _globals['_SAMPLINGPARAMS']._serialized_end=478
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=375
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=423
+  _globals['_TOKENLOGPROB']._serialized_start=480
+  _globals['_TOKENLOGPROB']._serialized_end=556
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=558
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=612
+  _globals['_DRAFT']._serialized_start=614
+  _globals['_DRAFT']._serialized_end=703
+  _globals['_NODEDRAFTS']._serialized_start=705
+  _globals['_NODEDRAFTS']._serialized_end=754
+  _globals['_TOKENTREE']._serialized_start=756
+  _globals['_TOKENTREE']._serialized_end=842
+  _globals['_SPECULATIONSTATS']._serialized_start=845
+  _globals['_SPECULATIONSTATS']._serialized_end=1007
+  _globals['_USAGE']._serialized_start=1009
+  _globals['_USAGE']._serialized_end=1096
 # @@protoc_insertion_point(module_scope)
