@@ -16,8 +16,18 @@ GRPC_OPTIONS = [
 ]
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 free at the time of asking."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 free at the time of asking, and not one this process handed
+    out before: ports asked for in a row (before the services bind them) must differ, and
+    the kernel may offer a just-closed one again."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise OSError("no free loopback port that this process has not handed out already")

@@ -355,6 +355,8 @@ def http_post(url: str, data: bytes) -> tuple[int, dict]:
     (b'{"prompt": "hi", "best_of": 3}', "best_of"),
     (b'{"prompt": "hi", "echo": true}', "echo"),
     (b'{"prompt": "hi", "suffix": "end"}', "suffix"),
+    # 17 stop strings, one empty (dropped, but counted against --max-stop-strings 16)
+    (b'{"prompt": "hi", "stop": [' + b'"a", ' * 16 + b'""]}', "stop"),
 ])
 def test_bad_http_input_gets_openai_errors(stack, body, param):
     status, payload = http_post(stack["http"] + "/v1/completions", body)

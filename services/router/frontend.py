@@ -372,15 +372,16 @@ def _refuse_unsupported(body: dict) -> None:
             raise InvalidArgument(name, "is not supported by this server")
 
 
-def _stop(body: dict) -> list[str]:
+def _stop(body: dict, keep_empty: bool = False) -> list[str]:
+    """The stop strings; "" would stop before the first token, so it is dropped (the gRPC
+    API drops it too), unless ``keep_empty`` (the limit counts what was sent)."""
     stop = body.get("stop")
     if stop is None:
         return []
     if isinstance(stop, str):
         stop = [stop]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        # "" would stop before the first token; the gRPC API drops it too.
-        return [_unicode(f"stop[{i}]", s) for i, s in enumerate(stop) if s]
+        return [_unicode(f"stop[{i}]", s) for i, s in enumerate(stop) if s or keep_empty]
     raise InvalidArgument("stop", "must be a string or a list of strings")
 
 
@@ -398,7 +399,7 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
     n = _choices(body, fe.limits)
     params = _params(body, chat)
     fe.limits.check_logprobs("top_logprobs" if chat else "logprobs", params.logprobs)
-    fe.limits.check_stop("stop", _stop(body))
+    fe.limits.check_stop("stop", _stop(body, keep_empty=True))
     fe.check_ids("logit_bias", [t for t, _ in params.logit_bias])
     fe.check_ids("stop_token_ids", sorted(_stop_token_ids(body)))
     out = []
