@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 
@@ -98,3 +100,13 @@ async def stream_sessions(addr: str, sessions: list[str], prompts: list[str], ma
     async with AsyncClient(addr) as client:
         return await asyncio.gather(*(one(client, prompts[i % len(prompts)], s)
                                       for i, s in enumerate(sessions)))
+
+
+def http_post(url: str, data: bytes) -> tuple[int, dict]:
+    """POST a JSON body; (status, the JSON answer), errors included."""
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())

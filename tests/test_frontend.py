@@ -122,7 +122,8 @@ def test_text_prompts_get_the_tokenizers_bos_as_generate_sees_them():
     request sets vLLM's ``add_special_tokens: false``."""
     from tokenizers import processors
 
-    from services.router.frontend import Frontend, openai_requests
+    from services.router.frontend import Frontend
+    from services.router.openai_request import openai_requests
     from specinfer.models import DEFAULT_LLM, load_tokenizer
 
     tokenizer = load_tokenizer(DEFAULT_LLM)

@@ -22,8 +22,9 @@ from opentelemetry.trace import Status, StatusCode
 from prometheus_client import CollectorRegistry
 
 from services.router.auth import ApiKeys
-from services.router.frontend import Frontend, Generation, openai_requests, stream_usage
+from services.router.frontend import Frontend, Generation
 from services.router.limits import KeyStreams
+from services.router.openai_request import openai_requests, stream_usage
 from services.router.openapi import openapi_document, openapi_handler
 from services.router.request import GenRequest
 from services.router.scheduler import Scheduler
