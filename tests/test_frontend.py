@@ -20,7 +20,7 @@ def test_token_bytes_are_raw_and_offsets_follow_the_text():
     assert b"".join(fe.token_bytes(t) for t in ids) == text.encode()
     assert any(fe.token_text(t) == "\ufffd" for t in ids)  # part of a character
     offsets = fe.text_offsets(ids, 0, len(ids))
-    visible = fe.decode(ids)
+    visible = fe.tokenizer.decode(ids, skip_special_tokens=True)
     assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] == len(visible)
     for t, o in zip(ids, offsets, strict=True):
         if "\ufffd" not in fe.token_text(t) and t not in fe.special_ids:
@@ -32,13 +32,14 @@ def test_token_bytes_are_raw_and_offsets_follow_the_text():
     orphan = fe.tokenizer.convert_tokens_to_ids(
         next(c for c, b in BYTE_OF_CHAR.items() if b == 0x84))
     ids = [orphan, *fe.encode_prompt("a<repo_name> there")]
-    assert fe.decode(ids) == "\ufffda there"
+    assert fe.tokenizer.decode(ids, skip_special_tokens=True) == "\ufffda there"
     assert fe.text_offsets(ids, 0, len(ids)) == [0, 1, 2, 2]
 
 
 def test_a_stop_string_and_eos_in_one_step_keep_only_the_tokens_before_the_stop():
     """A speculative step accepting "." then EOS, with stop ".": one-token steps would stop
     at "."; so does the step (token ids, logprobs and usage included)."""
+    from services.router.main import RouterConfig
     from services.router.request import GenRequest
     from services.router.scheduler import Scheduler
     from specinfer.models import DEFAULT_LLM, load_tokenizer
@@ -48,13 +49,13 @@ def test_a_stop_string_and_eos_in_one_step_keep_only_the_tokens_before_the_stop(
     tok = load_tokenizer(DEFAULT_LLM)
 
     async def main():
-        sched = Scheduler([], [], eos_ids=[tok.eos_token_id],
+        sched = Scheduler(RouterConfig(), eos_ids=[tok.eos_token_id],
                           detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
         head, tail = tok.encode("Hello"), tok.encode(". More words")
         req = GenRequest([1, 2, 3], 64, SamplingParams(logprobs=0), stop=["."])
         step = head + tail + [tok.eos_token_id]
-        await sched._emit(req, step, [common_pb2.TokenLogprob(logprob=-0.5)] * len(step),
-                          step=True)
+        await sched.lifecycle.emit(req, step, [common_pb2.TokenLogprob(logprob=-0.5)]
+                                   * len(step), step=True)
         return req, head + tail[:1]
 
     req, expected = asyncio.run(main())
@@ -66,22 +67,22 @@ def test_streamed_text_never_holds_part_of_a_stop_string():
     """Text that may begin a stop string is held back until it cannot, or the request ends:
     a client never sees "a" of stop "abc"; held text that turns out not to be a stop
     string is sent with the next delta."""
-    from types import SimpleNamespace
-
     from services.router.frontend import Generation
     from services.router.request import GenRequest
+    from specinfer.models import DEFAULT_LLM, load_tokenizer
     from specinfer.sampling import SamplingParams
 
-    fe = SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)))
+    tok = load_tokenizer(DEFAULT_LLM)
 
     def stream(chunks: list[str], finish: str) -> list[str]:
         req = GenRequest([1], 64, SamplingParams(), stop=["abc", "zz"])
 
         async def collect() -> list[str]:
-            deltas, out = Generation(req, fe).deltas(), []
+            deltas, out = Generation(req).deltas(), []
             for chunk in chunks:  # the scheduler's steps, one at a time
-                req.generated += [ord(ch) for ch in chunk]
-                req.events.put_nowait(("tokens", [ord(ch) for ch in chunk]))
+                new = req.append(tok.encode(chunk), {tok.eos_token_id},
+                                 lambda ids: tok.decode(ids, skip_special_tokens=True))
+                req.events.put_nowait(("tokens", new))
                 out.append((await deltas.__anext__())[1])
             req.events.put_nowait(("done", finish))
             out.append((await deltas.__anext__())[1])

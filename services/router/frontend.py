@@ -18,6 +18,7 @@ from services.router.request import GenRequest
 from specinfer.chat import chat_ids
 from specinfer.errors import InvalidArgument, ModelNotFound, check_token_ids
 from specinfer.sampling import SamplingParams
+from specinfer.stops import stop_token_ids
 from specinfer.v1 import router_pb2
 from specinfer.wire import sampling_from_proto
 
@@ -103,12 +104,9 @@ class Frontend:
             raise InvalidArgument(field, "must be an integer in 0..2**31-1")
         if not min_tokens:
             return dataclasses.replace(params, min_tokens=0, min_tokens_stop_ids=())
-        stops = stop_ids | (set() if ignore_eos else self.eos_ids)
+        stops = stop_token_ids(self.eos_ids, stop_ids, ignore_eos)
         return dataclasses.replace(params, min_tokens=min_tokens,
                                    min_tokens_stop_ids=tuple(sorted(stops)))
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:
@@ -216,25 +214,15 @@ class Generation:
     """Follows one request's events; yields (new ids, text delta, their logprobs) and ends
     with its finish."""
 
-    def __init__(self, req: GenRequest, fe: Frontend) -> None:
-        self.req, self.fe = req, fe
-        self.sent_text = ""
+    def __init__(self, req: GenRequest) -> None:
+        self.req = req
+        self._sent: list[str] = []  # the text deltas yielded
+        self._sent_chars = 0
         self.sent_tokens = 0
 
-    def _text(self, final: bool) -> str:
-        text = self.fe.decode(self.req.generated)
-        for stop in self.req.stop:
-            cut = text.find(stop)
-            if cut >= 0:
-                text = text[:cut]
-        if not final:
-            text = text.rstrip("\ufffd")  # hold back an incomplete UTF-8 sequence
-            # ... and text that may be the start of a stop string, so no part of a stop
-            # string is ever streamed (as with TGI and vLLM).
-            held = max((k for stop in self.req.stop for k in range(1, len(stop))
-                        if text.endswith(stop[:k])), default=0)
-            text = text[: len(text) - held]
-        return text
+    @property
+    def sent_text(self) -> str:
+        return "".join(self._sent)
 
     async def deltas(self):
         while True:
@@ -242,9 +230,9 @@ class Generation:
             if kind == "error":
                 raise payload
             final = kind == "done"
-            text = self._text(final)
-            delta = text[len(self.sent_text):] if text.startswith(self.sent_text) else ""
-            self.sent_text = text if delta or final else self.sent_text
+            delta = self.req.text_since(self._sent_chars, final)
+            self._sent.append(delta)
+            self._sent_chars += len(delta)
             new = payload if kind == "tokens" else []
             start, self.sent_tokens = self.sent_tokens, self.sent_tokens + len(new)
             yield new, delta, self.req.logprobs[start:self.sent_tokens]

@@ -107,7 +107,7 @@ class OpenAIApi:
             for req in submitted:
                 self.scheduler.cancel(req)
             return _service_error(exc)
-        gens = [Generation(req, self.fe) for req in reqs]
+        gens = [Generation(req) for req in reqs]
         # n choices per prompt (validated by openai_requests; null is 1)
         usage = functools.partial(self._usage, gens, int(body.get("n") or 1))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"

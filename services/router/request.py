@@ -13,6 +13,7 @@ import grpc
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from specinfer.sampling import SamplingParams, TokenLogprob
+from specinfer.stops import SequenceStops, Stops, stop_token_ids
 from specinfer.v1 import verifier_pb2_grpc
 
 _ids = itertools.count()
@@ -31,9 +32,13 @@ class Replica:
     live: int = 0
     max_tree_nodes: int = 64
     max_context: int = 2048
-    has_draft_head: bool = False  # Info.draft_head
+    draft_sources: frozenset[str] = frozenset()  # Info.draft_sources' names
     # Sequences a failed call left behind there, released before it is used again.
     stale: set[str] = field(default_factory=set)
+
+    def has_sources(self, names: tuple[str, ...]) -> bool:
+        """Whether it can draft with every one of its own sources ``names``."""
+        return self.draft_sources.issuperset(names)
 
     @property
     def usable(self) -> bool:
@@ -60,7 +65,7 @@ class GenRequest:
     drafted: int = 0
     speculative_steps: int = 0
     speculate_s: float = 0.0  # wall time of the Speculate calls it took part in
-    verify_s: float = 0.0  # ... and of its Verify/Decode calls
+    verify_s: float = 0.0  # ... and of its Step calls
     reused_tokens: int = 0
     finish_reason: str = ""
     error: Exception | None = None
@@ -81,6 +86,8 @@ class GenRequest:
     # Model-free trees the verifier drafted but did not verify, waiting for the tokens
     # that show how they would have fared: (index in generated, tokens, parents).
     shadows: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    # Its stops and text, token by token (set by the first ``append``).
+    stops: SequenceStops | None = None
 
     @property
     def history(self) -> list[int]:
@@ -91,29 +98,21 @@ class GenRequest:
         """Append a step's tokens, cut at max_tokens, a stop token or the token that
         completes a stop string (a step may accept several past it; one-token steps would
         have stopped there); sets ``finish_reason`` if the request is done. Returns the
-        tokens appended."""
-        start = len(self.generated)
-        for tok in tokens:
-            if len(self.generated) >= self.max_tokens:
-                break
-            self.generated.append(tok)
-            if tok in self.stop_ids or (tok in eos_ids and not self.ignore_eos):
-                self.finish_reason = "stop"
-                break
-        if self.stop and detokenize:  # also when an EOS ended the step's tokens
-            self._cut_at_stop_string(start, detokenize)
-        if not self.finish_reason and len(self.generated) >= self.max_tokens:
-            self.finish_reason = "length"
-        return self.generated[start:]
+        tokens appended. ``eos_ids`` and ``detokenize`` (the tokenizer's decode; None: no
+        text, so no stop strings) are read on the first call."""
+        if self.stops is None:
+            self.stops = SequenceStops(
+                Stops(self.max_tokens, stop_token_ids(eos_ids, self.stop_ids, self.ignore_eos),
+                      tuple(self.stop)), detokenize)
+        new = tokens[:self.stops.add(tokens)]
+        self.generated += new
+        self.finish_reason = self.finish_reason or self.stops.finish_reason
+        return new
 
-    def _cut_at_stop_string(self, start: int, detokenize: Callable[[list[int]], str]) -> None:
-        if not any(s in detokenize(self.generated) for s in self.stop):
-            return
-        for end in range(start + 1, len(self.generated) + 1):
-            if any(s in detokenize(self.generated[:end]) for s in self.stop):
-                del self.generated[end:]
-                self.finish_reason = "stop"
-                return
+    def text_since(self, start: int, final: bool) -> str:
+        """Its text after character ``start`` that a stream may show now (see
+        ``SequenceStops.shown_since``)."""
+        return "" if self.stops is None else self.stops.shown_since(start, final)
 
     def deadline_passed(self) -> bool:
         return self.deadline is not None and self.deadline <= time.monotonic()

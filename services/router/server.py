@@ -38,7 +38,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if remaining is not None:
             req.deadline = time.monotonic() + remaining
         self.scheduler.submit(req)
-        return Generation(req, self.fe)
+        return Generation(req)
 
     async def Generate(self, request, context):
         """The unary form of GenerateStream: the same run, collected."""
