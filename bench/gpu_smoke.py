@@ -61,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
     from services.verifier.engine import EngineConfig
     from services.verifier.executor import ForwardArgs
-    from services.verifier.parallel import build_engine
+    from services.verifier.factory import build_engine
     from specinfer.placement import resolve
     from specinfer.tree import TokenTree, TreeBatch
 

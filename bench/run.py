@@ -39,8 +39,8 @@ import torch
 from services.router.policy import HEAD
 from services.speculator.engine import DEFAULT_EXPANSION, SpeculateSpec, SpeculatorEngine
 from services.verifier.engine import EngineConfig
+from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
-from services.verifier.parallel import build_engine
 from specinfer.chat import chat_prompt_ids
 from specinfer.data import mtbench_first_turns
 from specinfer.drafting.datastore import sharegpt_datastore

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 
 from services.verifier.engine import EngineConfig
 from services.verifier.executor import ForwardArgs
-from services.verifier.parallel import build_engine
+from services.verifier.factory import build_engine
 from specinfer.models import DEFAULT_LLM, load_model
 from specinfer.placement import add_flags as add_placement_flags
 from specinfer.placement import from_flags

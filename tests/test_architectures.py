@@ -19,8 +19,8 @@ from transformers import (
 )
 
 from services.verifier.engine import EngineConfig
+from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
-from services.verifier.parallel import build_engine
 from specinfer.placement import resolve
 from specinfer.runtime import sliding_windows
 

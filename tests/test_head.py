@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from services.verifier.engine import EngineConfig, PrefillSpec
+from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
-from services.verifier.parallel import build_engine
 from specinfer.drafting import DraftRequest
 from specinfer.drafting.head import DraftHead, FeatureDrafter, load_head
 from specinfer.errors import InvalidArgument

@@ -15,8 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers import free_port, service
 
 from services.verifier.engine import EngineConfig
+from services.verifier.executor import Executor, ForwardArgs
+from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
-from services.verifier.parallel import build_engine, layer_range, rendezvous_from
+from services.verifier.parallel import layer_range, rendezvous_from
 from specinfer.models import ModelError
 from specinfer.tree import TokenTree
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
@@ -25,6 +27,9 @@ from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 def run(model_dir: str, tp: int, pp: int):
     engine = build_engine(model_dir, EngineConfig(max_context=128, slots=4), tp=tp, pp=pp,
                           micro_batches=2)
+    executor = engine.executor
+    assert isinstance(executor, Executor) and executor.healthy
+    assert (executor.tp, executor.pp) == (tp, pp)
     try:
         gen = torch.Generator().manual_seed(3)
         prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (5, 11, 8)]
@@ -34,9 +39,18 @@ def run(model_dir: str, tp: int, pp: int):
 
         spec = generate_local(engine, prompts, 12, trees=trees)
         plain = generate_local(engine, prompts, 12)
-        return [r.token_ids for r in spec], [r.token_ids for r in plain]
+        if tp * pp > 1:  # features stay on their ranks: refused before any rank is asked
+            with pytest.raises(ValueError, match="tp = pp = 1"):
+                executor.forward(ForwardArgs(torch.tensor([[1]]), torch.tensor([[0]]),
+                                             torch.tensor([0]), torch.tensor([0]), None,
+                                             features=True))
+            assert executor.features is None
+        tokens = [r.token_ids for r in spec], [r.token_ids for r in plain]
     finally:
-        engine.executor.close()
+        executor.close()
+    # A closed parallel executor serves no more calls; the local one loses nothing.
+    assert executor.healthy == (tp * pp == 1)
+    return tokens
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from services.verifier.engine import EngineConfig
 from services.verifier.executor import ForwardArgs
+from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
-from services.verifier.parallel import build_engine
 from specinfer import linears
 from specinfer.placement import Placement, PlacementError, resolve
 from specinfer.tree import TokenTree, TreeBatch

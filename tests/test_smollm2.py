@@ -16,8 +16,8 @@ import torch
 from conftest import decoy_tree
 
 from services.verifier.engine import EngineConfig
+from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
-from services.verifier.parallel import build_engine
 from specinfer.chat import chat_prompt_ids
 from specinfer.data import mtbench_first_turns
 from specinfer.models import DEFAULT_LLM, load_tokenizer

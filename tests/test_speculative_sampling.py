@@ -19,8 +19,8 @@ from scipy.stats import chi2_contingency
 
 from services.speculator.engine import SpeculateSpec, SpeculatorEngine
 from services.verifier.engine import EngineConfig
+from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
-from services.verifier.parallel import build_engine
 from specinfer.drafting.ssm import SSMDrafter
 from specinfer.models import load_model, load_ssm
 from specinfer.placement import resolve

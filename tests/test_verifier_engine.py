@@ -4,15 +4,17 @@ bfloat16), KV compaction, sampling, capacity, sessions and request validation.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import decoy_tree
 from transformers import AutoModelForCausalLM
 
 from services.verifier.engine import EngineConfig, PrefillSpec
-from services.verifier.executor import ForwardArgs
+from services.verifier.executor import Executor, ForwardArgs
+from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
-from services.verifier.parallel import build_engine
 from specinfer.errors import InvalidArgument, OutOfRange, ResourceExhausted
 from specinfer.placement import resolve
 from specinfer.sampling import SamplingParams
@@ -176,6 +178,22 @@ def test_kv_after_a_non_leftmost_path_equals_a_fresh_prefill(engine, greedy, fre
     ))[0, -1]
     fresh = fresh_logits(seq.tokens)
     assert (logits - fresh).abs().max().item() <= TOL
+
+
+def test_the_local_executor_is_an_executor_with_features(engine):
+    """It has every member the engine reads (``Executor``); the features are every query's,
+    kept only by a forward that asks for them."""
+    ex = engine.executor
+    assert isinstance(ex, Executor) and ex.healthy and (ex.tp, ex.pp) == (1, 1)
+    args = ForwardArgs(torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 2]]), torch.tensor([0]),
+                       torch.tensor([0]), None, features=True)
+    assert ex.forward(args).shape == (1, 3, ex.vocab_size)
+    hidden = ex.runtime.config.hidden_size
+    assert ex.features.shape == (1, 3, hidden)
+    assert ex.forward(dataclasses.replace(args, last_only=True)).shape == (1, 1, ex.vocab_size)
+    assert ex.features.shape == (1, 3, hidden)  # every query's, though one row's logits
+    ex.forward(dataclasses.replace(args, features=False))
+    assert ex.features is None
 
 
 def test_seeded_sampling_is_reproducible(engine):

@@ -2,12 +2,14 @@
 tensor-/pipeline-parallel rank processes (``services.verifier.parallel``).
 
 The engine only ever asks for two things — a forward over some queries, and a KV
-compaction — so a parallel executor replays exactly these calls on every rank.
+compaction — so a parallel executor replays exactly these calls on every rank. ``Executor``
+is all the engine and the server read of one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -23,7 +25,7 @@ class ForwardArgs:
     visible: torch.Tensor | None  # [B, Q, K] bool
     last_only: bool = False  # logits of the last query only (prefill)
     # Keep every query's normed last hidden state as ``executor.features`` (the draft head's
-    # input); local executor only.
+    # input); the local executor only (a parallel one refuses).
     features: bool = False
 
     @property
@@ -32,6 +34,37 @@ class ForwardArgs:
         if self.visible is not None:
             return self.visible.shape[-1]
         return int(self.offsets.max()) + self.tokens.shape[1]
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """The LLM's forward pass as the engine drives it, wherever the model runs."""
+
+    vocab_size: int
+    dtype: str  # the weights' format, as Info reports it (``Placement.weight_format``)
+    device: torch.device  # where ``forward`` returns its logits
+    tp: int  # tensor-parallel degree
+    pp: int  # pipeline-parallel degree
+    # Every query's normed last hidden state ``[B, Q, H]`` of the last forward that asked
+    # for them (``ForwardArgs.features``), else None.
+    features: torch.Tensor | None
+
+    @property
+    def healthy(self) -> bool:
+        """False once the executor can serve no more calls (a parallel one lost a rank, or
+        was closed): the verifier then reports NOT_SERVING."""
+        ...
+
+    def forward(self, args: ForwardArgs) -> torch.Tensor:
+        """Float32 logits ``[B, Q or 1, V]`` on ``device``."""
+        ...
+
+    def compact(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Move a slot's K/V from cache positions ``src`` to ``dst`` (``KVCache.compact``)."""
+        ...
+
+    def close(self) -> None:
+        ...
 
 
 class LocalExecutor:
@@ -45,6 +78,10 @@ class LocalExecutor:
         self.tp = 1
         self.pp = 1
         self.features: torch.Tensor | None = None  # [B, Q, H], of the last forward asking
+
+    @property
+    def healthy(self) -> bool:
+        return True  # nothing to lose: no other process holds a part of the model
 
     def forward(self, args: ForwardArgs) -> torch.Tensor:
         """Float32 logits ``[B, Q or 1, V]`` on the runtime's device."""
@@ -63,4 +100,4 @@ class LocalExecutor:
         self.runtime.cache.compact(slot, src, dst)
 
     def close(self) -> None:
-        pass
+        pass  # the model's memory goes with this object

@@ -72,8 +72,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from services.verifier.engine import EngineConfig
+    from services.verifier.factory import build_engine
     from services.verifier.metrics import VerifierMetrics
-    from services.verifier.parallel import build_engine, rendezvous_from, run_stage
+    from services.verifier.parallel import rendezvous_from, run_stage
     from services.verifier.server import serve
 
     expansion = tuple(parse_expansion(args.head_expansion, "--head-expansion"))

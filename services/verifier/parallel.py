@@ -38,9 +38,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from services.verifier.engine import EngineConfig, VerifierEngine, eos_ids, slot_len
-from services.verifier.executor import ForwardArgs, LocalExecutor
-from specinfer.drafting.model_free import ModelFreeDrafter
+from services.verifier.engine import EngineConfig, eos_ids, slot_len
+from services.verifier.executor import ForwardArgs
 from specinfer.errors import ServiceError, Unavailable
 from specinfer.models import ModelError
 from specinfer.net import free_port
@@ -308,6 +307,8 @@ class ParallelExecutor:
         self.dtype = worker.runtime.placement.weight_format
         self.device = worker.runtime.device
         self.tp, self.pp = worker.tp, worker.pp
+        self.eos_token_ids = worker.eos_token_ids
+        self.features: torch.Tensor | None = None  # never kept: the draft head needs tp = pp = 1
         self.closed = False
         self.broken: str | None = None
         self.lock = threading.Lock()
@@ -357,6 +358,8 @@ class ParallelExecutor:
             return out
 
     def forward(self, args: ForwardArgs) -> torch.Tensor:
+        if args.features:
+            raise ValueError("features need the whole model in one process (tp = pp = 1)")
         return self._call("forward", args, lambda: self.worker.forward(args))
 
     def compact(self, slot: int, src: list[int], dst: list[int]) -> None:
@@ -393,37 +396,11 @@ def _spawn_followers(ranks: range, tp: int, pp: int, meet: Rendezvous, threads: 
                               "--rank", str(r), "--spec", spec]) for r in ranks]
 
 
-def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
-                 micro_batches: int = 2, threads: int = 0,
-                 drafter: ModelFreeDrafter | None = None, head: str | None = None,
-                 placement: Placement | None = None, meet: Rendezvous | None = None
-                 ) -> VerifierEngine:
-    """A verifier engine over ``tp * pp`` ranks; this process becomes rank 0. ``head``: a
-    draft head directory (``specinfer train-head``; tp = pp = 1 only). ``meet``: the
-    multi-node rendezvous (this process is node 0's first rank), else every rank runs
-    here."""
-    placement = placement or Placement()
-    if tp < 1 or pp < 1:
-        raise ValueError("--tp and --pp must be >= 1")
-    if head and tp * pp > 1:
-        raise ValueError("a draft head needs --tp 1 --pp 1")
-    if tp == 1 and pp == 1:
-        from specinfer.drafting.head import FeatureDrafter, load_head
-        from specinfer.models import load_model
-
-        if threads:
-            torch.set_num_threads(threads)
-        model = load_model(llm)
-        runtime = LlamaRuntime.from_model(model, config.slots, slot_len(config),
-                                          placement=placement)
-        runtime.capture_graphs(config.max_tree_nodes + 1)
-        drafts = None
-        if head:
-            drafts = FeatureDrafter(load_head(head, model), slots=config.slots,
-                                    max_context=config.max_context,
-                                    max_tree_nodes=config.max_tree_nodes, placement=placement)
-        return VerifierEngine(LocalExecutor(runtime), config, llm, eos_ids(model), drafter,
-                              drafts)
+def start_ranks(llm: str, config: EngineConfig, tp: int, pp: int, micro_batches: int,
+                threads: int, placement: Placement, meet: Rendezvous | None
+                ) -> ParallelExecutor:
+    """This process as rank 0 of ``tp * pp`` ranks, the others started here (all of them,
+    or with ``meet`` this node's): rank 0's executor once every rank holds its part."""
     meet = meet or Rendezvous(master_port=free_port())
     local = range(1, tp) if meet.node_rank is not None else range(1, tp * pp)
     spec = {"llm": llm, "config": asdict(config), "micro_batches": micro_batches,
@@ -436,8 +413,7 @@ def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
         for p in procs:
             p.kill()
         raise
-    return VerifierEngine(ParallelExecutor(worker, procs, heartbeat_s=meet.timeout_s / 4),
-                          config, llm, worker.eos_token_ids, drafter)
+    return ParallelExecutor(worker, procs, heartbeat_s=meet.timeout_s / 4)
 
 
 def run_stage(tp: int, pp: int, meet: Rendezvous, threads: int = 0, cuda: bool = False
