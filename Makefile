@@ -61,28 +61,30 @@ $(CHECKOV_STAMP):
 run: setup
 	$(VENV)/bin/specinfer up
 
-# Benchmarks against the anchors (bench/results/<date>/): about an hour; --quick ~10 min.
+# Benchmarks against the anchors (bench/results/<date>/), on 2 cores: about two hours (16
+# prompts x 128 tokens: the 2026-12-03 full run took an hour on 8); --quick ~15 min (8 x 64).
 bench: setup
-	$(PY) bench/run.py
+	$(PY) -m bench.run
 
 bench-quick: setup
-	$(PY) bench/run.py --quick
+	$(PY) -m bench.run --quick
 
 # The stack (default models) at capacity for SOAK_MINUTES with mixed and bad traffic, a
 # service killed every minute with SOAK_KILL=speculator|verifier|router: nothing lost, KV
 # slots free at the end, memory slopes (bench/results/soak-<date>/).
 SOAK_MINUTES ?= 10
 soak: setup
-	$(PY) bench/soak.py --minutes $(SOAK_MINUTES) $(if $(SOAK_KILL),--kill $(SOAK_KILL))
+	$(PY) -m bench.soak --minutes $(SOAK_MINUTES) $(if $(SOAK_KILL),--kill $(SOAK_KILL))
 
 # The fuzz tests with far more examples than `make test` runs (1000 per HTTP operation and
-# mode, per gRPC method): schemathesis on the OpenAI API, hypothesis on every RPC. ~15-20 min.
+# mode, per gRPC method): schemathesis on the OpenAI API, hypothesis on every RPC. About half
+# an hour on 2 cores (the chat and completions operations take most of it).
 fuzz: setup
 	SPECINFER_FUZZ_EXAMPLES=1000 $(VENV)/bin/pytest tests/test_fuzz_http.py tests/test_fuzz_grpc.py
 
 # What tracing costs (tokens/s, tracing off vs on) and /metrics latency under load: ~5 min.
 bench-tracing: setup
-	$(PY) bench/tracing.py
+	$(PY) -m bench.tracing
 
 # Pure-Python (and protobuf) wheels bench/gpu_smoke.sh may lack on an offline GPU machine
 # with Python 3.12; bring this folder along with the repository.

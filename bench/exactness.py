@@ -8,7 +8,7 @@ sequence at a time; plain decoding, then speculation with the verifier's own dra
 (draft head + model-free, ``--draft-nodes`` per step). Prints the share of prompts whose
 tokens are identical and where the first difference falls; writes JSON.
 
-    python bench/exactness.py [--formats float32,bfloat16,int8] [--prompts 80]
+    python -m bench.exactness [--formats float32,bfloat16,int8] [--prompts 80]
 """
 
 from __future__ import annotations

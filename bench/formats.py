@@ -9,7 +9,7 @@ same GGUF file when ``--llama-cpp-python`` names a Python with llama-cpp-python 
 source: ``pip install llama-cpp-python``, a few minutes), else reported missing.
 Prints tokens/s and speedups; writes JSON.
 
-    python bench/formats.py [--formats float32,bfloat16,int8] [--new-tokens 64]
+    python -m bench.formats [--formats float32,bfloat16,int8] [--new-tokens 64]
                             [--llama-cpp-python /path/to/venv/bin/python]
 """
 
@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,15 +27,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from run import _wait  # noqa: E402
-
-from specinfer.chat import chat_prompt_ids  # noqa: E402
-from specinfer.client import Client  # noqa: E402
-from specinfer.data import mtbench_first_turns  # noqa: E402
-from specinfer.models import DEFAULT_LLM, load_model, load_tokenizer, resolve  # noqa: E402
-from specinfer.net import free_port  # noqa: E402
+from bench.harness import Stack, mtbench_prompts, speculation_on_off
+from specinfer.chat import chat_prompt_ids
+from specinfer.models import DEFAULT_LLM, load_model, load_tokenizer, resolve
 
 FORMATS = {"float32": ["--dtype", "float32"], "bfloat16": ["--dtype", "bfloat16"],
            "int8": ["--quantize", "int8"]}
@@ -71,30 +64,15 @@ def llama_cpp(prompts: list[list[int]], new_tokens: int, python: str) -> list[fl
 
 
 def stack_rates(fmt: list[str], prompts: list[str], new_tokens: int) -> dict:
-    port = free_port()
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "services", "up", "--port", str(port),
-                             "--http-port", "0", *fmt],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    out: dict = {}
+    """Start-up time of the stack in format ``fmt``; its tokens/s with speculation off and on,
+    one request at a time."""
+    stack = Stack(fmt).start()
     try:
-        _wait(f"127.0.0.1:{port}", proc)
-        out["startup_s"] = time.perf_counter() - start
-        with Client(f"127.0.0.1:{port}", timeout=900) as client:
-            for name, spec in (("off", False), ("on", True)):
-                rates, accepted = [], []
-                for prompt in prompts:
-                    t = time.perf_counter()
-                    r = client.generate(prompt, max_tokens=new_tokens, speculation=spec)
-                    rates.append(r.completion_tokens / (time.perf_counter() - t))
-                    accepted.append(r.completion_tokens / max(1, r.stats.steps))
-                out[name] = {"tokens_per_s": statistics.median(rates), "per_prompt": rates,
-                             "tokens_per_step": statistics.mean(accepted)}
+        startup_s = stack.wait()
+        [row] = speculation_on_off(stack.addr, prompts, [1], new_tokens=new_tokens)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    return out
+        stack.stop()
+    return {"startup_s": startup_s, **row}
 
 
 def main() -> None:
@@ -107,8 +85,8 @@ def main() -> None:
                     help="a Python with llama-cpp-python installed (the llama.cpp anchor)")
     args = ap.parse_args()
     tok = load_tokenizer(DEFAULT_LLM)
-    ids = [chat_prompt_ids(tok, p) for _, p in mtbench_first_turns(1)]
-    texts = [tok.decode(i) for i in ids]
+    texts = mtbench_prompts(1)
+    ids = [chat_prompt_ids(tok, p) for p in texts]
     report = {"machine": {"platform": platform.platform(), "cores": os.cpu_count(),
                           "torch": torch.__version__},
               "prompts": len(ids), "new_tokens": args.new_tokens, "stack": {}}
@@ -127,7 +105,7 @@ def main() -> None:
               f"{row['off']['tokens_per_s']:5.1f} tok/s ({row['off']['tokens_per_s'] / base:.2f}x)"
               f"  on {row['on']['tokens_per_s']:5.1f} tok/s "
               f"({row['on']['tokens_per_s'] / base:.2f}x, "
-              f"{row['on']['tokens_per_step']:.2f} tokens/step)", flush=True)
+              f"{row['on']['accepted_per_step']:.2f} tokens/step)", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -9,7 +9,7 @@ the tokens per step measured on the CPU with the real model (``--tokens-per-step
 ``bench/exactness.py`` or ``make bench-quick``): on = tokens_per_step / tree step time, off =
 1 / decode step time. Writes JSON to ``--out``.
 
-    python bench/gpu_smoke.py --out DIR [--tokens-per-step 2.1]
+    python -m bench.gpu_smoke --out DIR [--tokens-per-step 2.1]
 """
 
 from __future__ import annotations

@@ -43,5 +43,5 @@ else
   echo "gpu_smoke: pytest unavailable; CUDA tests skipped" | tee "$OUT/cuda-tests.txt"
   status=1
 fi
-timeout 200 $PY bench/gpu_smoke.py --out "$OUT" 2>&1 | tee "$OUT/gpu_smoke.txt" || status=1
+timeout 200 $PY -m bench.gpu_smoke --out "$OUT" 2>&1 | tee "$OUT/gpu_smoke.txt" || status=1
 exit $status

@@ -6,52 +6,26 @@ while the other half is verified; ``always`` drafts for the whole batch, then ve
 The mode ``off`` is a stack whose requests all ask for no speculation: the baseline. Also
 prints each stack's share of steps by speculation mode (what ``adaptive`` chose).
 
-    python bench/modes.py [--modes off,always,overlap,adaptive,lookup,head,merged] [--streams 4]
+    python -m bench.modes [--modes off,always,overlap,adaptive,lookup,head,merged] [--streams 4]
                           [--reps 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
-import time
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from run import _wait  # noqa: E402
-
-from specinfer.chat import chat_prompt_ids  # noqa: E402
-from specinfer.client import AsyncClient  # noqa: E402
-from specinfer.data import mtbench_first_turns  # noqa: E402
-from specinfer.models import DEFAULT_LLM, load_tokenizer  # noqa: E402
-from specinfer.net import free_port  # noqa: E402
+from bench.harness import Stack, mtbench_prompts, time_prompts
 
 
-async def _load(addr: str, prompts: list[str], streams: int, new_tokens: int,
-                speculation: bool = True, first: int = 0) -> float:
-    """Output tokens per second of ``streams`` concurrent greedy requests, on the prompts
-    from index ``first`` on."""
-    async with AsyncClient(addr, timeout=1800) as client:
-        t = time.perf_counter()
-        outs = await asyncio.gather(*(client.generate(prompts[(first + i) % len(prompts)],
-                                                      max_tokens=new_tokens,
-                                                      speculation=speculation)
-                                      for i in range(streams)))
-        return sum(o.completion_tokens for o in outs) / (time.perf_counter() - t)
-
-
-def _step_shares(http_port: int) -> dict[str, float]:
+def _step_shares(stack: Stack) -> dict[str, float]:
     """The router's steps by speculation mode (``specinfer:steps_total``), as shares, over
     the whole run (warm-up included)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read()
+    text = urllib.request.urlopen(f"{stack.http}/metrics", timeout=10).read()
     steps: dict[str, float] = {}
     for line in text.decode().splitlines():
         if line.startswith("specinfer:steps_total{"):
@@ -70,35 +44,28 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench/results/modes.json")
     args = ap.parse_args()
-    tok = load_tokenizer(DEFAULT_LLM)
-    prompts = [tok.decode(chat_prompt_ids(tok, p)) for _, p in mtbench_first_turns(1)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    stacks, http_ports, shares = {}, {}, {}
-    try:
-        for mode in args.modes.split(","):
-            port, http_ports[mode] = free_port(), free_port()
-            stacks[mode] = (port, subprocess.Popen(
-                [sys.executable, "-m", "services", "up", "--port", str(port),
-                 "--http-port", str(http_ports[mode]),
-                 "--speculation", "adaptive" if mode == "off" else mode,
-                 "--slots", str(max(8, args.streams))],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            _wait(f"127.0.0.1:{port}", stacks[mode][1])  # one at a time: they share cores
-        for mode, (port, _) in stacks.items():  # warm-up (and the policy's first tries)
-            asyncio.run(_load(f"127.0.0.1:{port}", prompts, args.streams, args.new_tokens,
-                              mode != "off"))
+    prompts = mtbench_prompts(1)
+    stacks: dict[str, Stack] = {}
+    with ExitStack() as running:
+        for mode in args.modes.split(","):  # one at a time: they share cores
+            stacks[mode] = running.enter_context(Stack(
+                ["--speculation", "adaptive" if mode == "off" else mode,
+                 "--slots", str(max(8, args.streams))]))
+
+        def rate(mode: str, first: int) -> float:
+            """``args.streams`` requests at once, on the prompts from index ``first`` on."""
+            batch = [prompts[(first + i) % len(prompts)] for i in range(args.streams)]
+            return time_prompts(stacks[mode].addr, batch, streams=args.streams,
+                                new_tokens=args.new_tokens,
+                                speculation=mode != "off").tokens_per_s
+
+        for mode in stacks:  # warm-up (and the policy's first tries)
+            rate(mode, 0)
         rates: dict[str, list[float]] = {m: [] for m in stacks}
         for rep in range(args.reps):  # each run on the next prompts
-            for mode, (port, _) in stacks.items():
-                rates[mode].append(asyncio.run(_load(f"127.0.0.1:{port}", prompts,
-                                                     args.streams, args.new_tokens,
-                                                     mode != "off", rep * args.streams)))
-        shares = {mode: _step_shares(http_ports[mode]) for mode in stacks}
-    finally:
-        for _, proc in stacks.values():
-            proc.send_signal(signal.SIGTERM)
-        for _, proc in stacks.values():
-            proc.wait(timeout=60)
+            for mode in stacks:
+                rates[mode].append(rate(mode, rep * args.streams))
+        shares = {mode: _step_shares(stack) for mode, stack in stacks.items()}
     print(f"{args.streams} streams x {args.new_tokens} tokens, greedy, {args.reps} runs each")
     print(f"{'mode':<10} {'out tok/s':>10} {'spread':>13}")
     rows = []

@@ -12,30 +12,29 @@ Writes bench/results/<date>/{results.json, report.md, *.png} and prints a summar
    prompt so drift cancels; figures are medians over prompts with their spread, plus mean
    accepted tokens per step, TTFT, time per output token, and where the time goes
    (speculation / verification / the rest).
-2. Throughput under load through the stack: N concurrent streams, speculation on vs off.
+2. Throughput under load through the stack: N concurrent streams, speculation on vs off
+   (``bench.harness.speculation_on_off``, as ``python -m bench.onoff``).
 3. Tree-shape sweep (engine-only): accepted tokens and tokens/s per shape.
 
-    python bench/run.py [--quick] [--new-tokens 128] [--per-category 2] [--shape-prompts 8]
+    python -m bench.run [--quick] [--new-tokens 128] [--per-category 2] [--shape-prompts 8]
                         [--concurrency 1,2,4,8,16,32] [--pool DIR ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from bench.harness import Stack, format_on_off, speculation_on_off, time_prompts
 from services.router.policy import HEAD
 from services.speculator.engine import DEFAULT_EXPANSION, SpeculateSpec, SpeculatorEngine
 from services.verifier.engine import EngineConfig
@@ -48,7 +47,6 @@ from specinfer.drafting.head import bundled_head
 from specinfer.drafting.model_free import ModelFreeDrafter
 from specinfer.drafting.ssm import SSMDrafter
 from specinfer.models import DEFAULT_LLM, default_pool, load_ssm, load_tokenizer
-from specinfer.net import free_port
 from specinfer.sampling import SamplingParams
 
 GREEDY, STOCH = SamplingParams(), SamplingParams(temperature=0.7, seed=0)
@@ -58,6 +56,12 @@ SHAPES = {"chain-3": [1] * 3, "chain-4": [1] * 4, "chain-6": [1] * 6, "paper": P
           "w2-d4": [2, 1, 1, 1], "w3-d4": [3, 2, 1, 1], "w2-d6": [2, 1, 1, 1, 1, 1],
           "w3-d5": [3, 1, 1, 1, 1], "w4-d4": [4, 2, 1, 1], "w5-d3": [5, 1, 1]}
 DYNAMIC_BUDGETS = (4, 8, 16, 32)  # node budgets of the dynamic tree in the sweep
+
+
+class Prompt(NamedTuple):
+    category: str
+    text: str  # the user turn, as the stack gets it (it applies the chat template)
+    ids: list[int]  # the same through the chat template, as the engine gets it
 
 
 def hf_assistant(llm, ssm, vocab_ids):
@@ -137,21 +141,14 @@ class Bench:
                 "accepted": sum(res.accepted_per_step) / max(1, res.steps),
                 "draft_s": 0.0, "verify_s": res.verify_s}
 
-    def stack(self, client, ids, params, spec):
-        prompt = self.tok.decode(ids)
-        t = time.perf_counter()
-        ttft, n, stats = None, 0, None
-        for ch in client.stream(prompt, max_tokens=self.args.new_tokens,
-                                temperature=params.temperature, seed=params.seed,
-                                speculation=spec):
-            if ttft is None and ch.token_ids:
-                ttft = time.perf_counter() - t
-            n += len(ch.token_ids)
-            stats = ch.stats or stats
-        out = {"tokens": n, "elapsed": time.perf_counter() - t, "ttft": ttft}
-        if stats is not None:
-            out.update(accepted=sum(stats.accepted_per_step) / max(1, stats.steps),
-                       draft_s=stats.speculate_s, verify_s=stats.verify_s)
+    def stack(self, addr: str, prompt: str, params: SamplingParams, spec: bool) -> dict:
+        [r] = time_prompts(addr, [prompt], new_tokens=self.args.new_tokens,
+                           speculation=spec, temperature=params.temperature,
+                           seed=params.seed).requests
+        out = {"tokens": r.tokens, "elapsed": r.seconds, "ttft": r.ttft_s}
+        if r.stats is not None:
+            out.update(accepted=sum(r.stats.accepted_per_step) / max(1, r.stats.steps),
+                       draft_s=r.stats.speculate_s, verify_s=r.stats.verify_s)
         return out
 
 
@@ -197,37 +194,28 @@ def main() -> None:
     out = Path(args.out or f"bench/results/{datetime.date.today().isoformat()}")
     out.mkdir(parents=True, exist_ok=True)
     b = Bench(args)
-    prompts = [(c, chat_prompt_ids(b.tok, p)) for c, p in mtbench_first_turns(args.per_category)]
+    prompts = [Prompt(c, p, chat_prompt_ids(b.tok, p))
+               for c, p in mtbench_first_turns(args.per_category)]
     print(f"{len(prompts)} MT-Bench prompts, {args.new_tokens} new tokens, pool {b.refs}")
 
-    port, http = free_port(), free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    stack = subprocess.Popen([sys.executable, "-m", "services", "up", "--port", str(port),
-                              "--http-port", str(http), "--max-context", "2048",
-                              *sum((["--ssm", r] for r in b.refs), [])], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait(f"127.0.0.1:{port}", stack)
-        from specinfer.client import Client
-
-        client = Client(f"127.0.0.1:{port}", timeout=900)
+    with Stack(["--max-context", "2048", *sum((["--ssm", r] for r in b.refs), [])]) as stack:
         systems = {
-            "hf-generate": lambda ids, p: b.hf(ids, p),
-            "hf-prompt-lookup": lambda ids, p: b.hf(ids, p, prompt_lookup_num_tokens=10),
-            "ours-engine-off": lambda ids, p: b.ours(ids, p, spec=False),
-            "ours-engine-lookup": lambda ids, p: b.ours(ids, p, [0], max_nodes=2),
-            "ours-engine-tree": lambda ids, p: b.ours(ids, p, DEFAULT_EXPANSION),
-            **({"ours-engine-head": b.ours_head} if b.head else {}),
-            "ours-stack-off": lambda ids, p: b.stack(client, ids, p, False),
-            "ours-stack-on": lambda ids, p: b.stack(client, ids, p, True),
+            "hf-generate": lambda q, p: b.hf(q.ids, p),
+            "hf-prompt-lookup": lambda q, p: b.hf(q.ids, p, prompt_lookup_num_tokens=10),
+            "ours-engine-off": lambda q, p: b.ours(q.ids, p, spec=False),
+            "ours-engine-lookup": lambda q, p: b.ours(q.ids, p, [0], max_nodes=2),
+            "ours-engine-tree": lambda q, p: b.ours(q.ids, p, DEFAULT_EXPANSION),
+            **({"ours-engine-head": lambda q, p: b.ours_head(q.ids, p)} if b.head else {}),
+            "ours-stack-off": lambda q, p: b.stack(stack.addr, q.text, p, False),
+            "ours-stack-on": lambda q, p: b.stack(stack.addr, q.text, p, True),
         }
         if b.assistant is not None:
-            systems["hf-assisted-ssm"] = lambda ids, p: b.hf(ids, p,
-                                                            assistant_model=b.assistant)
+            systems["hf-assisted-ssm"] = lambda q, p: b.hf(q.ids, p,
+                                                          assistant_model=b.assistant)
         if not args.quick:
-            systems["ours-engine-chain"] = lambda ids, p: b.ours(ids, p, [1] * 4)
-            systems["ours-engine-paper"] = lambda ids, p: b.ours(ids, p, PAPER)
-            systems["ours-engine-dynamic"] = lambda ids, p: b.ours(ids, p, PAPER, True)
+            systems["ours-engine-chain"] = lambda q, p: b.ours(q.ids, p, [1] * 4)
+            systems["ours-engine-paper"] = lambda q, p: b.ours(q.ids, p, PAPER)
+            systems["ours-engine-dynamic"] = lambda q, p: b.ours(q.ids, p, PAPER, True)
         results = {"machine": {"platform": platform.platform(), "cpu": platform.processor(),
                                "cores": os.cpu_count(), "torch": torch.__version__,
                                "threads": torch.get_num_threads()},
@@ -239,11 +227,11 @@ def main() -> None:
         for mode, params in (("greedy", GREEDY), ("T=0.7", STOCH)):
             runs: dict[str, list[dict]] = {k: [] for k in systems}
             by_cat: dict[str, dict[str, list[float]]] = {}
-            for cat, ids in prompts:  # interleaved: every system on this prompt, in turn
+            for prompt in prompts:  # interleaved: every system on this prompt, in turn
                 for name, fn in systems.items():
-                    r = fn(ids, params)
+                    r = fn(prompt, params)
                     runs[name].append(r)
-                    by_cat.setdefault(cat, {}).setdefault(name, []).append(
+                    by_cat.setdefault(prompt.category, {}).setdefault(name, []).append(
                         r["tokens"] / r["elapsed"])
             summary = {k: summarize(v) for k, v in runs.items()}
             base = summary["hf-generate"]["tokens_per_s"]
@@ -258,68 +246,18 @@ def main() -> None:
                       f"{s.get('accepted_per_step', float('nan')):>9.2f} "
                       f"{s.get('ttft_s', float('nan')):>7.2f}")
             save()
-        results["load"] = load_test(f"127.0.0.1:{port}", b, prompts,
-                                    [int(x) for x in args.concurrency.split(",")])
+        # Throughput: every prompt at each number of streams, one pass off, one on (each
+        # pass times all the prompts; the latency phase above was the warm-up).
+        results["load"] = speculation_on_off(stack.addr, [q.text for q in prompts],
+                                             [int(x) for x in args.concurrency.split(",")],
+                                             new_tokens=args.new_tokens, warmup=False)
+        print("\nunder load\n" + format_on_off(results["load"]))
         save()
         if not args.quick:
-            results["shapes"] = shape_sweep(b, prompts[:args.shape_prompts])
-        client.close()
-    finally:
-        stack.send_signal(signal.SIGTERM)
-        try:
-            stack.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            stack.kill()
+            results["shapes"] = shape_sweep(b, [q.ids for q in prompts[:args.shape_prompts]])
     (out / "results.json").write_text(json.dumps(results, indent=2))
     write_report(results, out)
     print(f"\nwrote {out}/results.json, report.md and plots")
-
-
-def load_test(addr: str, b: Bench, prompts, levels: list[int], reps: int = 3) -> list[dict]:
-    """Each level ``reps`` times, speculation off and on interleaved; medians and spread."""
-    from specinfer.client import AsyncClient
-
-    async def one(client, ids, spec):
-        t0 = time.perf_counter()
-        stamps = []
-        async for ch in client.stream(b.tok.decode(ids), max_tokens=b.args.new_tokens,
-                                      speculation=spec):
-            stamps += [time.perf_counter()] * len(ch.token_ids)
-        ttft = stamps[0] - t0 if stamps else None
-        tpot = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1) if stamps else None
-        return len(stamps), ttft, tpot
-
-    async def level(n, spec):
-        async with AsyncClient(addr, timeout=1800) as client:
-            t = time.perf_counter()
-            res = await asyncio.gather(*(one(client, prompts[i % len(prompts)][1], spec)
-                                         for i in range(n)))
-            wall = time.perf_counter() - t
-        tpots = sorted(r[2] for r in res if r[2] is not None)
-        return {"output_tokens_per_s": sum(r[0] for r in res) / wall,
-                "tpot_p50_ms": tpots[len(tpots) // 2] * 1e3,
-                "tpot_p99_ms": tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))] * 1e3,
-                "ttft_p50_s": statistics.median(r[1] for r in res if r[1] is not None)}
-
-    rows = []
-    print(f"\n{'streams':>7} {'spec':>5} {'out tok/s':>10} {'spread':>13} {'TPOT p50':>9} "
-          f"{'p99':>7} {'TTFT':>6}")
-    for n in levels:
-        runs: dict[bool, list[dict]] = {False: [], True: []}
-        for _ in range(reps):  # interleaved: off, on, off, on, ...
-            for spec in (False, True):
-                runs[spec].append(asyncio.run(level(n, spec)))
-        for spec in (False, True):
-            r = {"concurrency": n, "speculation": spec, "runs": len(runs[spec])}
-            for k in runs[spec][0]:
-                r[k] = statistics.median(x[k] for x in runs[spec])
-            tps = [x["output_tokens_per_s"] for x in runs[spec]]
-            r["spread"] = [min(tps), max(tps)]
-            rows.append(r)
-            print(f"{n:>7} {str(spec):>5} {r['output_tokens_per_s']:>10.1f} "
-                  f"{min(tps):>6.1f}–{max(tps):<6.1f} {r['tpot_p50_ms']:>9.0f} "
-                  f"{r['tpot_p99_ms']:>7.0f} {r['ttft_p50_s']:>6.2f}")
-    return rows
 
 
 def shape_sweep(b: Bench, prompts) -> list[dict]:
@@ -329,7 +267,7 @@ def shape_sweep(b: Bench, prompts) -> list[dict]:
     configs = [(name, shape, False, 0) for name, shape in SHAPES.items()]
     configs += [(f"dynamic-{n}", PAPER, True, n) for n in DYNAMIC_BUDGETS]
     for name, shape, dynamic, budget in configs:
-        runs = [b.ours(ids, GREEDY, shape, dynamic, max_nodes=budget) for _, ids in prompts]
+        runs = [b.ours(ids, GREEDY, shape, dynamic, max_nodes=budget) for ids in prompts]
         s = summarize(runs)
         rows.append({"shape": name, "expansion": shape, "dynamic": dynamic,
                      "max_nodes": budget, **s})
@@ -372,16 +310,9 @@ def write_report(results: dict, out: Path) -> None:
         fig.savefig(out / fname, dpi=110)
         plt.close(fig)
         lines += [f"![{mode}]({fname})", ""]
-    lines += ["## Under load (stack)", "", "Medians of interleaved runs (off, on, off, on, ...).",
-              "", "| streams | speculation | out tok/s | spread | TPOT p50 ms | TPOT p99 ms | "
-              "TTFT p50 s |", "|---|---|---|---|---|---|---|"]
-    for r in results["load"]:
-        lo, hi = r.get("spread", [r["output_tokens_per_s"]] * 2)
-        lines.append(f"| {r['concurrency']} | {r['speculation']} | "
-                     f"{r['output_tokens_per_s']:.1f} | {lo:.1f}–{hi:.1f} | "
-                     f"{r['tpot_p50_ms']:.0f} | {r['tpot_p99_ms']:.0f} | "
-                     f"{r['ttft_p50_s']:.2f} |")
-    lines += ["", _plot_load(results["load"], out, plt), ""]
+    lines += ["## Under load (stack)", "", "Aggregate output tokens/s of every prompt at each "
+              "number of concurrent streams, one pass off and one on.", "",
+              format_on_off(results["load"]), "", _plot_load(results["load"], out, plt), ""]
     if "shapes" in results:
         lines += ["", "## Tree shapes (engine-only, greedy)", "",
                   "| shape | accepted/step | tok/s |", "|---|---|---|"]
@@ -394,13 +325,13 @@ def write_report(results: dict, out: Path) -> None:
 
 def _plot_load(rows: list[dict], out: Path, plt) -> str:
     fig, ax = plt.subplots(figsize=(6, 4))
-    for spec, color in ((False, "#888888"), (True, "#4c72b0")):
-        mine = [r for r in rows if r["speculation"] == spec]
-        ax.errorbar([r["concurrency"] for r in mine], [r["output_tokens_per_s"] for r in mine],
-                    yerr=[[r["output_tokens_per_s"] - r["spread"][0] for r in mine],
-                          [r["spread"][1] - r["output_tokens_per_s"] for r in mine]],
-                    marker="o", capsize=3, color=color,
-                    label="speculation on (adaptive)" if spec else "speculation off")
+    for key, color, label in (("off", "#888888", "speculation off"),
+                              ("on", "#4c72b0", "speculation on (adaptive)")):
+        mine = [r[key] for r in rows]
+        ax.errorbar([r["streams"] for r in rows], [m["tokens_per_s"] for m in mine],
+                    yerr=[[m["tokens_per_s"] - m["spread"][0] for m in mine],
+                          [m["spread"][1] - m["tokens_per_s"] for m in mine]],
+                    marker="o", capsize=3, color=color, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("output tokens/s (median, spread)")
@@ -426,13 +357,6 @@ def _plot_shapes(rows: list[dict], out: Path, plt) -> str:
     fig.savefig(out / "shapes.png", dpi=110)
     plt.close(fig)
     return "![tree shapes](shapes.png)"
-
-
-def _wait(addr: str, proc: subprocess.Popen, timeout: float = 900) -> None:
-    from services.stack import wait_serving
-
-    if not wait_serving(addr, [proc], timeout):
-        raise RuntimeError("the stack did not come up")
 
 
 if __name__ == "__main__":

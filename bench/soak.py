@@ -16,8 +16,8 @@ service is killed every ``--kill-every`` seconds (``up`` restarts it). Then it c
 - the resident memory (VmRSS) of every process, sampled over the run: its slope after
   warm-up, in MiB per minute.
 
-    python bench/soak.py [--minutes 10] [--kill verifier --kill-every 60]
-    python bench/soak.py --minutes 1 --llm DIR --ssm DIR#layers=1 --datastore none \\
+    python -m bench.soak [--minutes 10] [--kill verifier --kill-every 60]
+    python -m bench.soak --minutes 1 --llm DIR --ssm DIR#layers=1 --datastore none \\
         --draft-head none --max-context 512     # tiny models
 
 Writes bench/results/soak-<date>/ (or ``--out``): soak.json, memory.png and up.log; exits 1
@@ -41,17 +41,8 @@ from pathlib import Path
 import aiohttp
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from services.stack import wait_serving  # noqa: E402
-from specinfer.client import build_request  # noqa: E402
-from specinfer.models import DEFAULT_LLM  # noqa: E402
-from specinfer.net import GRPC_OPTIONS  # noqa: E402
-from specinfer.v1 import router_pb2_grpc  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_watch import (  # noqa: E402
-    Stack,
+from bench.harness import Stack
+from bench.soak_watch import (
     live_sequences,
     metrics_live,
     plot,
@@ -59,6 +50,11 @@ from soak_watch import (  # noqa: E402
     rss_mib,
     slope_mib_per_min,
 )
+from services.stack import wait_serving
+from specinfer.client import build_request
+from specinfer.models import DEFAULT_LLM
+from specinfer.net import GRPC_OPTIONS
+from specinfer.v1 import router_pb2_grpc
 
 RESULTS = Path(__file__).parent / "results"
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of",
@@ -266,11 +262,11 @@ async def soak(args: argparse.Namespace, stack: Stack, out: Path) -> dict:
     key = os.environ.get("SPECINFER_API_KEY", "").split(",")[0].strip()
     if key:  # the router enforces the keys it inherits through `up`
         metadata = [("authorization", f"Bearer {key}")]
-    started = time.monotonic()
-    if not await asyncio.get_running_loop().run_in_executor(
-            None, wait_serving, stack.addr, [stack.proc], 900.0):
-        raise SystemExit(f"the stack did not start; see {out / 'up.log'}")
-    print(f"soak: stack serving after {time.monotonic() - started:.0f} s", flush=True)
+    try:
+        started_s = await asyncio.get_running_loop().run_in_executor(None, stack.wait)
+    except RuntimeError:
+        raise SystemExit(f"the stack did not start; see {out / 'up.log'}") from None
+    print(f"soak: stack serving after {started_s:.0f} s", flush=True)
     async with aiohttp.ClientSession(headers=dict(metadata or [])) as session, \
             session.get(f"{stack.http}/v1/models") as resp:
         model = (await resp.json())["data"][0]["id"]
@@ -421,11 +417,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def up_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of ``specinfer up`` this soak runs it with."""
+    flags = ["--llm", args.llm, "--slots", str(args.slots), "--max-context",
+             str(args.max_context), "--datastore", args.datastore, "--draft-head",
+             args.draft_head, "--speculation", args.speculation]
+    for ref in args.ssm or []:
+        flags += ["--ssm", ref]
+    if args.metrics_port:
+        flags += ["--metrics-port", str(args.metrics_port)]
+    return flags
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out or RESULTS / f"soak-{datetime.datetime.now():%Y-%m-%d-%H%M}"
     out.mkdir(parents=True, exist_ok=True)
-    stack = Stack(args, out / "up.log")
+    stack = Stack(up_flags(args), out / "up.log").start()
     try:
         report = asyncio.run(soak(args, stack, out))
     finally:

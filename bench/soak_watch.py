@@ -1,26 +1,17 @@
-"""What the soak (``bench/soak.py``) watches besides its own requests: the stack it runs
+"""What the soak (``bench.soak``) watches besides its own requests: the stack it runs
 (``specinfer up`` and its service processes), their resident memory and its slope, the
 restarts ``up`` logged, the verifiers' live sequences, and the memory plot."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from services.stack import service_processes  # noqa: E402
-from specinfer.net import free_port  # noqa: E402
-from specinfer.v1 import verifier_pb2, verifier_pb2_grpc  # noqa: E402
+from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 
 
 def rss_mib(pid: int) -> float | None:
@@ -43,41 +34,6 @@ def slope_mib_per_min(points: list[tuple[float, float]], warmup_s: float) -> flo
     mt, mm = sum(t for t, _ in pts) / n, sum(m for _, m in pts) / n
     var = sum((t - mt) ** 2 for t, _ in pts)
     return 60 * sum((t - mt) * (m - mm) for t, m in pts) / var
-
-
-class Stack:
-    """``specinfer up`` in its own process group, its output in ``log``."""
-
-    def __init__(self, args: argparse.Namespace, log: Path) -> None:
-        self.port, self.http_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "services", "up", "--llm", args.llm, "--port",
-               str(self.port), "--http-port", str(self.http_port), "--slots", str(args.slots),
-               "--max-context", str(args.max_context), "--datastore", args.datastore,
-               "--draft-head", args.draft_head, "--speculation", args.speculation]
-        for ref in args.ssm or []:
-            cmd += ["--ssm", ref]
-        if args.metrics_port:
-            cmd += ["--metrics-port", str(args.metrics_port)]
-        self.addr = f"127.0.0.1:{self.port}"
-        self.http = f"http://127.0.0.1:{self.http_port}"
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def services(self) -> list[tuple[str, int, str]]:
-        return service_processes(self.proc.pid)
-
-    def stop(self) -> int | None:
-        """SIGTERM; its exit code (None: it had to be killed, with its process group)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-            return None
 
 
 async def live_sequences(verifiers: list[str], wait_s: float) -> dict[str, int | None]:

@@ -8,7 +8,7 @@ drafters) on loopback; per (RPC, context, tree): a batch of sequences whose cont
 an accepted path of 1-4 tokens plus one each step. Prints bytes sent per step and the
 median and p90 step latency, writes JSON and a plot.
 
-    python bench/speculate_rpc.py [--contexts 128,1024,4096] [--steps 40] [--batch 1]
+    python -m bench.speculate_rpc [--contexts 128,1024,4096] [--steps 40] [--batch 1]
 """
 
 from __future__ import annotations

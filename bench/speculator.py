@@ -12,7 +12,7 @@ LLM step, and a length profile: accepted tokens per step over the first N tokens
 greedy answers loop, and model-free drafts accept whole loops).
 Prints tables, writes JSON and PNG plots.
 
-    python bench/speculator.py [--pool DIR ...] [--head DIR|none] [--prompts 8]
+    python -m bench.speculator [--pool DIR ...] [--head DIR|none] [--prompts 8]
                                [--new-tokens 64] [--lengths 64,128,256,512] [--quick]
                                [--lengths-only] [--merged-only]
 """

@@ -5,7 +5,7 @@ order flips each round, so drift on a noisy machine falls on both); each round m
 tokens/s at batch 1 (MT-Bench first turns, one at a time) and at 8 concurrent streams,
 while a thread scrapes the router's ``/metrics`` every 0.2 s.
 
-    python bench/tracing.py [--rounds 3] [--new-tokens 64] [--streams 8]
+    python -m bench.tracing [--rounds 3] [--new-tokens 64] [--streams 8]
 
 Writes bench/results/tracing-<date>.json and .png.
 """
@@ -15,44 +15,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from otlp_receiver import OtlpReceiver  # noqa: E402
-from run import _wait  # noqa: E402
-
-from specinfer.client import Client  # noqa: E402
-from specinfer.data import mtbench_first_turns  # noqa: E402
-from specinfer.net import free_port  # noqa: E402
+from bench.harness import Stack, mtbench_prompts, time_prompts
+from bench.otlp_receiver import OtlpReceiver
 
 RESULTS = Path(__file__).parent / "results"
-
-
-class Stack:
-    def __init__(self, name: str, extra: list[str], speculation: str) -> None:
-        self.name = name
-        self.port, self.http = free_port(), free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services", "up", "--port", str(self.port), "--http-port",
-             str(self.http), "--speculation", speculation, *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.addr = f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=90)
 
 
 class Scraper(threading.Thread):
@@ -73,29 +46,6 @@ class Scraper(threading.Thread):
             self.done.wait(self.every)
 
 
-def batch1(stack: Stack, prompts: list[str], new_tokens: int) -> float:
-    with Client(stack.addr, timeout=900) as c:
-        t, tokens = time.perf_counter(), 0
-        for prompt in prompts:
-            out = c.generate(messages=[{"role": "user", "content": prompt}],
-                             max_tokens=new_tokens)
-            tokens += out.completion_tokens
-        return tokens / (time.perf_counter() - t)
-
-
-def streams(stack: Stack, prompts: list[str], new_tokens: int, n: int) -> float:
-    def one(prompt: str) -> int:
-        with Client(stack.addr, timeout=900) as c:
-            return sum(len(chunk.token_ids) for chunk in c.stream(
-                messages=[{"role": "user", "content": prompt}], max_tokens=new_tokens))
-
-    work = (prompts * n)[:n]
-    t = time.perf_counter()
-    with ThreadPoolExecutor(n) as pool:
-        tokens = sum(pool.map(one, work))
-    return tokens / (time.perf_counter() - t)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
@@ -107,35 +57,35 @@ def main() -> None:
                    help="the same mode in both stacks (adaptive would choose by timings, "
                         "which differ by noise)")
     args = ap.parse_args()
-    prompts = [p for _, p in mtbench_first_turns(1)][: args.prompts]
+    prompts = mtbench_prompts(1)[: args.prompts]
     receiver = OtlpReceiver().start()
-    stacks = [Stack("off", [], args.speculation),
-              Stack("on", ["--otlp-traces-endpoint", receiver.endpoint], args.speculation)]
-    figures = {s.name: {"batch1": [], "streams": [], "scrape_ms": []} for s in stacks}
-    try:
-        for s in stacks:
-            _wait(s.addr, s.proc)
-            batch1(s, prompts[:1], 8)  # warm: first requests pay one-time costs
+    flags = {"off": [], "on": ["--otlp-traces-endpoint", receiver.endpoint]}
+    figures = {name: {"batch1": [], "streams": [], "scrape_ms": []} for name in flags}
+    with ExitStack() as running:
+        running.callback(receiver.stop)
+        stacks = {name: running.enter_context(Stack(["--speculation", args.speculation, *f]))
+                  for name, f in flags.items()}
+        for stack in stacks.values():  # warm: first requests pay one-time costs
+            time_prompts(stack.addr, prompts[:1], new_tokens=8)
         for r in range(args.rounds):
-            for s in stacks if r % 2 == 0 else stacks[::-1]:
-                b1 = batch1(s, prompts, args.new_tokens)
-                scraper = Scraper(f"http://127.0.0.1:{s.http}/metrics")
+            for name in list(stacks) if r % 2 == 0 else list(stacks)[::-1]:
+                stack = stacks[name]
+                b1 = time_prompts(stack.addr, prompts, new_tokens=args.new_tokens).tokens_per_s
+                scraper = Scraper(f"{stack.http}/metrics")
                 scraper.start()
-                st = streams(s, prompts, args.new_tokens, args.streams)
+                work = (prompts * args.streams)[: args.streams]
+                st = time_prompts(stack.addr, work, streams=args.streams,
+                                  new_tokens=args.new_tokens).tokens_per_s
                 scraper.done.set()
                 scraper.join()
-                f = figures[s.name]
+                f = figures[name]
                 f["batch1"].append(b1)
                 f["streams"].append(st)
                 f["scrape_ms"] += [x * 1e3 for x in scraper.latencies]
-                print(f"round {r + 1} tracing {s.name:<3}  batch 1 {b1:6.1f} tok/s   "
+                print(f"round {r + 1} tracing {name:<3}  batch 1 {b1:6.1f} tok/s   "
                       f"{args.streams} streams {st:6.1f} tok/s   /metrics p50 "
                       f"{statistics.median(scraper.latencies) * 1e3:5.1f} ms  max "
                       f"{max(scraper.latencies) * 1e3:5.1f} ms", flush=True)
-    finally:
-        for s in stacks:
-            s.stop()
-        receiver.stop()
     summary = {}
     for name, f in figures.items():
         ms = sorted(f["scrape_ms"])

@@ -7,7 +7,7 @@ and, as the anchor, transformers' plain `generate` per decoded token (greedy, sa
 Then it times batches of B sequences (incremental step and 16-node trees).
 
 Prints a table and writes JSON (default bench/results/verifier_cost.json).
-    python bench/verifier_cost.py [--llm REF] [--reps 7] [--out PATH]
+    python -m bench.verifier_cost [--llm REF] [--reps 7] [--out PATH]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""A one-minute soak (bench/soak.py) of `specinfer up` on the tiny models: every request
-is answered once, completely or with the status its kind expects; the verifier's KV slots
-are all free at the end; no service died; memory does not climb."""
+"""A one-minute soak (``python -m bench.soak``) of `specinfer up` on the tiny models: every
+request is answered once, completely or with the status its kind expects; the verifier's KV
+slots are all free at the end; no service died; memory does not climb."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ REFUSED = {"invalid_argument", "not_found"}  # a bad request's answers (a model 
 def test_one_minute_soak_loses_nothing(tiny_chat_llm, tmp_path):
     out = tmp_path / "soak"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "1", "--llm",
+        [sys.executable, "-m", "bench.soak", "--minutes", "1", "--llm",
          tiny_chat_llm, "--ssm", f"{tiny_chat_llm}#layers=1", "--datastore", "none",
          "--draft-head", "none", "--slots", "8", "--max-context", "512", "--out", str(out)],
         capture_output=True, text=True, timeout=400, cwd=ROOT)
