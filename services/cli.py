@@ -1,8 +1,9 @@
-"""The ``specinfer`` command (DESIGN.md §6): parses, then dispatches to the command's own
-module. Each service's flags and composition live beside it (``services/<role>/main.py``);
-``up`` is ``services.stack``, ``generate`` ``services.generate``, and the training commands
-``specinfer.training.commands``. Only the module of the command being run is imported (so a
-serving process never loads training code); ``--help`` imports them all."""
+"""The ``specinfer`` command (docs/architecture.md, "Commands"): parses, then dispatches to
+the command's own module. Each service's flags and composition live beside it
+(``services/<role>/main.py``); ``up`` is ``services.stack``, ``generate``
+``services.generate``, and the training commands ``specinfer.training.commands``. Only the
+module of the command being run is imported (so a serving process never loads training
+code); ``--help`` imports them all."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Model references (DESIGN.md §6): a Hugging Face directory, a ``.gguf`` file, or an alias.
+"""Model references (docs/architecture.md, "Commands"): a Hugging Face directory, a
+``.gguf`` file, or an alias.
 
 Loading a GGUF file dequantizes every tensor (tens of seconds on 2 cores), so the first load
 of a GGUF reference saves a Hugging Face copy in the cache directory

@@ -3,7 +3,8 @@
 A ``TokenTree`` holds the candidate continuations of one sequence. Its root is the
 sequence's last verified token and is *not* a node; ``parents[i] == -1`` marks a child of
 the root. Nodes are stored so that a parent precedes its children, and ``depth`` is 1 for a
-child of the root. Each node carries the drafts that proposed it (DESIGN.md §3).
+child of the root. Each node carries the drafts that proposed it (docs/architecture.md,
+"Token trees").
 
 For the LLM's forward pass a batch of trees is laid out as queries ``[root, node 0, node 1,
 ...]`` per sequence (query 0 is the root): ``TreeBatch`` gives tokens, position ids

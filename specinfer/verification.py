@@ -1,4 +1,5 @@
-"""Tree verification (DESIGN.md §4): greedy and multi-step speculative sampling (MSS).
+"""Tree verification (docs/architecture.md, "Verification"): greedy and multi-step
+speculative sampling (MSS).
 
 Both take the LLM's output for a ``TreeBatch`` row: row 0 is the distribution after the
 root (the last verified token), row 1 + i the distribution after node i. Both return the

@@ -1,4 +1,4 @@
-"""`specinfer up` supervises its services (DESIGN.md §6), and the fault matrix around it:
+"""`specinfer up` supervises its services (docs/architecture.md), and the fault matrix around it:
 each kind of service is killed (SIGKILL) while streams run; every stream completes with the
 greedy output taken before any fault (a killed router: the client retries, as the SDK does
 on UNAVAILABLE), and `up` has the service serving again, on the same port. A speculator

@@ -1,1 +1,1 @@
-"""The router service (DESIGN.md §2)."""
+"""The router service (docs/architecture.md, "router")."""

@@ -1,1 +1,1 @@
-"""The speculator service (DESIGN.md §2)."""
+"""The speculator service (docs/architecture.md, "speculator")."""

@@ -1,1 +1,1 @@
-"""The verifier service (DESIGN.md §2)."""
+"""The verifier service (docs/architecture.md, "verifier")."""
