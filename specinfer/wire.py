@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specinfer.drafting import DraftPlan
 from specinfer.errors import InvalidArgument
 from specinfer.sampling import SamplingParams, TokenLogprob
 from specinfer.tree import Draft, TokenTree
@@ -105,3 +106,16 @@ def tree_from_proto(msg: common_pb2.TokenTree) -> TokenTree:
             node_drafts.append(Draft(d.source, d.rank, ids, probs))
         drafts.append(node_drafts)
     return TokenTree.from_arrays(list(msg.tokens), list(msg.parents), drafts)
+
+
+# The verifier's step protocol (InfoResponse.step_protocol): 2 = one Step call per batch.
+STEP_PROTOCOL = 2
+
+
+def draft_plan_from_proto(msg, field: str) -> DraftPlan:
+    """A Step item's draft or shadow plan (``field`` names it in errors)."""
+    names = tuple(msg.sources)
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"{field}.sources", "a source is named twice")
+    return DraftPlan(names, msg.max_nodes)
+

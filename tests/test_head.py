@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.verifier.engine import EngineConfig, PrefillSpec
+from services.verifier.engine import EngineConfig, PrefillSpec, StepItem
 from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
-from specinfer.drafting import DraftRequest
+from specinfer.drafting import DraftPlan, DraftRequest
 from specinfer.drafting.head import DraftHead, FeatureDrafter, load_head
 from specinfer.errors import InvalidArgument
 from specinfer.models import load_model
@@ -91,6 +91,9 @@ def test_unrolled_training_levels_are_draft_chains(llm):
             assert torch.allclose(levels[u][0][0, i], normed[0, -1], atol=1e-4), (u, i)
 
 
+HEAD_PLAN = DraftPlan(("head", "model_free"), 8)  # what the head mode asks for
+
+
 @pytest.fixture(scope="module")
 def head_engine(tiny_llama, llm, tmp_path_factory):
     path = tmp_path_factory.mktemp("head") / "head"
@@ -107,8 +110,8 @@ def test_the_verifier_feeds_the_head_the_llms_features(head_engine, llm):
     try:
         seq = head_engine.sequences["f"]
         for _ in range(4):
-            head_engine.verify([("f", seq.root, TokenTree())], draft_nodes=[6],
-                               draft_head=[True])
+            head_engine.step([StepItem("f", seq.root,
+                                       draft=DraftPlan(("head", "model_free"), 6))])
         want = _features(llm, seq.tokens[:-1])
         torch.testing.assert_close(seq.features[: seq.cached], want, atol=1e-4, rtol=1e-4)
     finally:
@@ -121,10 +124,10 @@ def test_verification_with_head_drafts_is_exact(head_engine):
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 60, 61]]
     for prompt in prompts:
         plain = generate_local(head_engine, [prompt], 40)[0]
-        spec = generate_local(head_engine, [prompt], 40, draft_nodes=8, draft_head=True)[0]
+        spec = generate_local(head_engine, [prompt], 40, draft=HEAD_PLAN)[0]
         assert spec.token_ids == plain.token_ids
         assert spec.steps < len(spec.token_ids)  # some step accepted a draft
-    sampled = generate_local(head_engine, prompts, 30, draft_nodes=8, draft_head=True,
+    sampled = generate_local(head_engine, prompts, 30, draft=HEAD_PLAN,
                              params=SamplingParams(temperature=0.8, seed=3))
     assert all(len(r.token_ids) == 30 for r in sampled)
 
@@ -132,38 +135,39 @@ def test_verification_with_head_drafts_is_exact(head_engine):
 def test_the_head_drafts_its_share_dynamic_for_greedy_static_for_sampled(head_engine):
     """The head's tree takes at most ``head_nodes`` of a step's budget: for a greedy
     sequence the most probable paths (dynamic), for a sampled one the static expansion."""
-    cfg = head_engine.config
-    saved = (cfg.head_nodes, cfg.head_dynamic)
+    head = head_engine.drafts.by_name["head"]
+    saved = (head.max_nodes, head.dynamic)
+    only_head = DraftPlan(("head",), 16)
     prompt = [5, 6, 7, 8, 9, 10, 11]
     head_engine.prefill([PrefillSpec("g", prompt),
                          PrefillSpec("t", prompt, SamplingParams(temperature=0.8, seed=1))])
     try:
         seqs = [head_engine.sequences["g"], head_engine.sequences["t"]]
-        cfg.head_nodes, cfg.head_dynamic = 5, True
-        greedy, sampled = head_engine.drafts.head_trees(seqs, [16, 16], [True, True]).values()
-        drafter = head_engine.drafts.head
-        want = drafter.propose([DraftRequest("x", seqs[0].tokens, [2, 1, 1], dynamic=True,
+        head.max_nodes, head.dynamic = 5, True
+        greedy, sampled = head_engine.drafts.trees(seqs, [only_head] * 2, [16, 16],
+                                                   [TokenTree()] * 2)
+        want = head.drafter.propose([DraftRequest("x", seqs[0].tokens, [2, 1, 1], dynamic=True,
                                              max_nodes=5,
                                              features=seqs[0].features[: seqs[0].cached])])[0]
         assert greedy.paths() == want.paths() and len(greedy) == 5
         assert len(sampled) <= 5 and len(sampled.children(-1)) <= 2
         assert max(sampled.depths) <= 3
-        cfg.head_dynamic = False
-        static = head_engine.drafts.head_trees(seqs[:1], [16], [True])[0]
+        head.dynamic = False
+        static = head_engine.drafts.trees(seqs[:1], [only_head], [16], [TokenTree()])[0]
         assert sorted(static.depths) == [1, 1, 2, 2, 3]  # (2, 1, 1) cut to 5 nodes
     finally:
-        cfg.head_nodes, cfg.head_dynamic = saved
+        head.max_nodes, head.dynamic = saved
         head_engine.release(["g", "t"])
-        head_engine.drafts.head.forget("x")
+        head.forget("x")
 
 
 def test_asking_a_verifier_without_a_head_for_its_drafts_fails(tiny_llama):
     engine = build_engine(tiny_llama, EngineConfig(max_context=64, slots=1))
     engine.prefill([PrefillSpec("s", [1, 2, 3])])
     root = engine.sequences["s"].root
-    with pytest.raises(InvalidArgument, match=r"items\[0\]\.draft_head"):
-        engine.verify([("s", root, TokenTree())], draft_nodes=[4], draft_head=[True])
-    assert engine.info()["draft_head"] is False
+    with pytest.raises(InvalidArgument, match=r"items\[0\]\.draft\.sources"):
+        engine.step([StepItem("s", root, draft=DraftPlan(("head", "model_free"), 4))])
+    assert engine.info()["draft_sources"] == [("model_free", False)]
 
 
 def test_a_head_for_another_llm_is_refused(tiny_llama, tmp_path):

@@ -20,6 +20,7 @@ from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
 from specinfer.chat import chat_prompt_ids
 from specinfer.data import mtbench_first_turns
+from specinfer.drafting import DraftPlan
 from specinfer.models import DEFAULT_LLM, load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -113,5 +114,6 @@ def test_penalties_and_logit_bias_keep_speculation_exact(engine):
                                 trees=noisy_oracle(prompt, ref, hf.config.vocab_size, i))[0]
         assert oracle.token_ids == ref, f"prompt {i}: noisy-oracle trees"
         assert any(a > 1 for a in oracle.accepted_per_step)
-        drafted = generate_local(engine, [prompt], n, params=params, draft_nodes=8)[0]
+        drafted = generate_local(engine, [prompt], n, params=params,
+                                 draft=DraftPlan(("model_free",), 8))[0]
         assert drafted.token_ids == ref, f"prompt {i}: model-free drafts"

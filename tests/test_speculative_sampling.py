@@ -21,6 +21,7 @@ from services.speculator.engine import SpeculateSpec, SpeculatorEngine
 from services.verifier.engine import EngineConfig
 from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
+from specinfer.drafting import DraftPlan
 from specinfer.drafting.ssm import SSMDrafter
 from specinfer.models import load_model, load_ssm
 from specinfer.placement import resolve
@@ -114,8 +115,8 @@ def test_the_verifiers_head_drafts_keep_the_distribution(tiny_llama, tmp_path, m
     on, off, steps = [], [], 0
     for i in range(N):
         params = SamplingParams(0.8, seed=i)
-        res = generate_local(engine, [prompt], 3, trees=trees, params=params, draft_nodes=8,
-                             draft_head=True)
+        res = generate_local(engine, [prompt], 3, trees=trees, params=params,
+                             draft=DraftPlan(("head", "model_free"), 8))
         on.append(res[0].token_ids)
         steps += res[0].steps
         off.append(generate_local(engine, [prompt], 3, params=params)[0].token_ids)

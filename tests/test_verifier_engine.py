@@ -11,14 +11,20 @@ import torch
 from conftest import decoy_tree
 from transformers import AutoModelForCausalLM
 
-from services.verifier.engine import EngineConfig, PrefillSpec
+from services.verifier.engine import EngineConfig, PrefillSpec, StepItem
 from services.verifier.executor import Executor, ForwardArgs
 from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
+from specinfer.drafting import DraftPlan
 from specinfer.errors import InvalidArgument, OutOfRange, ResourceExhausted
 from specinfer.placement import resolve
 from specinfer.sampling import SamplingParams
 from specinfer.tree import ROOT, TokenTree, TreeBatch
+
+
+def model_free(nodes: int) -> DraftPlan:
+    """A plan that has the verifier draft with its model-free source alone."""
+    return DraftPlan(("model_free",), nodes)
 
 TOL = 1e-4
 
@@ -169,7 +175,7 @@ def test_kv_after_a_non_leftmost_path_equals_a_fresh_prefill(engine, greedy, fre
     tree.add(a, truth[1] ^ 1)
     b = tree.add(a, truth[1])
     tree.add(b, truth[2] ^ 3)
-    out = engine.verify([("s", first, tree)])[0]
+    out = engine.step([StepItem("s", first, tree)])[0]
     assert out.accepted_nodes == [a, b] and out.tokens == truth
     seq = engine.sequences["s"]
     logits = engine.executor.forward(ForwardArgs(
@@ -218,7 +224,7 @@ def test_capacity_is_refused_cleanly_and_freed_on_release(engine):
 def test_session_prefix_is_reused_and_output_unchanged(engine, greedy):
     turn1 = [4, 8, 15, 16, 23, 42]
     out1 = engine.prefill([PrefillSpec("t1", turn1, session_id="chat")])[0]
-    engine.decode([("t1", out1.token)])
+    engine.step([StepItem("t1", out1.token)])
     history = engine.sequences["t1"].tokens
     engine.release(["t1"], keep_for_session=True)
     turn2 = history + [9, 10, 11]
@@ -234,14 +240,14 @@ def test_session_prefix_is_reused_and_output_unchanged(engine, greedy):
     (lambda e, root: [("s", root, TokenTree.chain(list(range(30))))], "items[0].tree"),
     (lambda e, root: [("s", root, TokenTree()), ("s", root, TokenTree())], "items.sequence_id"),
 ])
-def test_bad_verify_requests_name_the_field_and_change_nothing(engine, make, field):
+def test_bad_step_requests_name_the_field_and_change_nothing(engine, make, field):
     root = engine.prefill([PrefillSpec("s", [1, 2, 3])])[0].token
     before = list(engine.sequences["s"].tokens)
     with pytest.raises(InvalidArgument) as err:
-        engine.verify(make(engine, root))
+        engine.step([StepItem(*item) for item in make(engine, root)])
     assert err.value.field == field
     assert engine.sequences["s"].tokens == before
-    assert engine.decode([("s", root)])[0].tokens  # still serving
+    assert engine.step([StepItem("s", root)])[0].tokens  # still serving
 
 
 def test_bad_prefill_requests(engine):
@@ -259,18 +265,18 @@ def test_bad_prefill_requests(engine):
 def test_context_limit_is_out_of_range(engine):
     root = engine.prefill([PrefillSpec("s", [1] * 120)])[0].token
     with pytest.raises(OutOfRange):
-        engine.verify([("s", root, TokenTree.chain([1] * 10))])
+        engine.step([StepItem("s", root, TokenTree.chain([1] * 10))])
 
 
 def test_trees_drafted_by_the_verifier_keep_greedy_output(engine, greedy):
-    """Verify items that ask the verifier to draft (draft_nodes) get model-free trees from
-    the sequence's own tokens, within the budget; the output is plain greedy decoding's."""
+    """Step items whose plan has the verifier draft get model-free trees from the
+    sequence's own tokens, within the budget; the output is plain greedy decoding's."""
     prompt = [5, 6, 7, 8, 9] * 5 + [5, 6]
     root = engine.prefill([PrefillSpec("s", prompt)])[0].token
     tokens, drafted, shadow = [root], [], None
     while len(tokens) < 30:
-        out = engine.verify([("s", tokens[-1], TokenTree())], draft_nodes=[3],
-                            shadow_nodes=[3])[0]
+        out = engine.step([StepItem("s", tokens[-1], draft=model_free(3),
+                                    shadow=model_free(3))])[0]
         assert out.drafted_nodes <= 3
         if shadow is not None:  # the shadow draft was this step's tree
             assert out.drafted_nodes == len(shadow)
@@ -279,39 +285,42 @@ def test_trees_drafted_by_the_verifier_keep_greedy_output(engine, greedy):
         tokens += out.tokens
     assert tokens[:30] == greedy(prompt, 30)
     assert sum(drafted) > 0
-    assert engine.decode([("s", tokens[-1])])[0].next_draft is None
-    assert len(engine.decode([("s", engine.sequences["s"].root)],
-                             shadow_nodes=[2])[0].next_draft) <= 2
+    assert engine.step([StepItem("s", tokens[-1])])[0].next_draft is None
+    assert len(engine.step([StepItem("s", engine.sequences["s"].root,
+                                     shadow=model_free(2))])[0].next_draft) <= 2
 
 
-@pytest.mark.parametrize("tree,nodes,shadow,field,message", [
-    (TokenTree.chain([1, 2, 3]), 2, 0, "tree", "do not fit in draft_nodes 2"),
-    (TokenTree(), 25, 0, "draft_nodes", "outside"),
-    (TokenTree(), 0, 25, "shadow_nodes", "outside"),
+@pytest.mark.parametrize("tree,draft,shadow,field,message", [
+    (TokenTree.chain([1, 2, 3]), model_free(2), DraftPlan(), "tree",
+     "do not fit in draft.max_nodes 2"),
+    (TokenTree(), model_free(25), DraftPlan(), "draft.max_nodes", "outside"),
+    (TokenTree(), DraftPlan(), model_free(25), "shadow.max_nodes", "outside"),
+    (TokenTree(), DraftPlan(("head",), 4), DraftPlan(), "draft.sources", "no draft source"),
+    (TokenTree(), DraftPlan(), DraftPlan(("ngram",), 4), "shadow.sources", "no draft source"),
 ])
-def test_bad_draft_requests_name_the_field(engine, tree, nodes, shadow, field, message):
+def test_bad_draft_plans_name_the_field(engine, tree, draft, shadow, field, message):
     root = engine.prefill([PrefillSpec("s", [1, 2, 3])])[0].token
     with pytest.raises(InvalidArgument, match=message) as err:
-        engine.verify([("s", root, tree)], draft_nodes=[nodes], shadow_nodes=[shadow])
+        engine.step([StepItem("s", root, tree, draft, shadow)])
     assert err.value.field == f"items[0].{field}"
     assert engine.sequences["s"].tokens == [1, 2, 3, root]
 
 
-def test_a_sent_tree_with_draft_nodes_is_merged_with_the_verifiers_drafts(engine, greedy):
-    """Tree and draft_nodes together: the sent tree (its sources renumbered after the
+def test_a_sent_tree_with_a_draft_plan_is_merged_with_the_verifiers_drafts(engine, greedy):
+    """Tree and draft plan together: the sent tree (its sources renumbered after the
     verifier's own) plus model-free drafts in the room left; greedy output unchanged."""
     prompt = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8]
     root = engine.prefill([PrefillSpec("m", prompt)])[0].token
     try:
         tokens = [root]
         sent = TokenTree.chain([3, 4])
-        out = engine.verify([("m", root, sent)], draft_nodes=[6])[0]
+        out = engine.step([StepItem("m", root, sent, model_free(6))])[0]
         assert 2 <= out.drafted_nodes <= 6  # the sent chain, model-free drafts if any
         tokens += out.tokens
         assert tokens == greedy(prompt, len(tokens))
-        own = engine.drafts.model_free.source + engine.drafts.model_free.sources
-        merged = engine.drafts.merged_tree(engine.sequences["m"], 6, None,
-                                     TokenTree.chain([3, 4]))
+        own = engine.drafts.sent_base
+        merged = engine.drafts.trees([engine.sequences["m"]], [model_free(6)], [6],
+                                     [TokenTree.chain([3, 4])])[0]
         assert {d.source for node in merged.drafts[:2] for d in node} >= {own}
     finally:
         engine.release(["m"])

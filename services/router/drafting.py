@@ -1,5 +1,5 @@
-"""Drafting for the router's steps: calls to the speculator pool, their failover, node
-budgets, and the overlapped step that drafts one micro-batch while the other is verified.
+"""The router's side of the speculator pool: its members as discovery changes them, their
+health, and the calls that draft a step's SSM trees, with failover.
 
 The speculators are stateless, so any one of them may answer; one that fails is skipped
 for a few seconds and the step goes on without its trees (the router keeps every history,
@@ -16,14 +16,14 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.router.metrics import RouterMetrics
-from services.router.policy import SpeculationMode
+from services.router.policy import SpeculatorPlan
 from services.router.request import GenRequest, hop_timeout
 from services.router.speculate_stream import SpeculatorStream, StreamEnded
 from specinfer import tracing
@@ -57,11 +57,9 @@ class Speculator:
 
 
 class SpeculatorPool:
-    """The router's side of the speculator pool (and of drafting in general: node
-    budgets, the overlapped step)."""
+    """The speculator replicas and the Speculate calls to them."""
 
     def __init__(self, speculators: list[str], metrics: RouterMetrics, *,
-                 expansion: list[int] | None = None, max_nodes: int = 0,
                  timeout_s: float = 10.0, step_timeout_s: float = 60.0,
                  down_for_s: float = 5.0, tls: TlsConfig | None = None,
                  stream: bool = True) -> None:
@@ -71,15 +69,9 @@ class SpeculatorPool:
         self.members: dict[str, Speculator] = {}
         self._checks: dict[str, asyncio.Future] = {}
         self.update(frozenset(speculators))
-        self.expansion = expansion or []  # [] = the speculator's default
-        self.max_nodes = max_nodes  # 0 = each replica's max_tree_nodes
         self.timeout_s = timeout_s
         self.step_timeout_s = step_timeout_s
         self.down_for_s = down_for_s
-        # Trees drafted during the last step's second half for the next step's first
-        # micro-batch (overlap mode): sequence id -> (history length drafted for, node
-        # budget, tree).
-        self.prefetched: dict[str, tuple[int, int, common_pb2.TokenTree]] = {}
 
     def update(self, addresses: frozenset[str]) -> None:
         """The pool is now ``addresses`` (from service discovery)."""
@@ -136,21 +128,19 @@ class SpeculatorPool:
         if checks:
             await asyncio.wait(checks, timeout=timeout_s)
 
-    def node_budget(self, req: GenRequest, budget: int, mode: SpeculationMode) -> int:
-        """The most nodes ``req``'s tree may have this step."""
-        if mode.max_nodes:
-            budget = min(budget, mode.max_nodes)
-        replica = req.replica
-        return min(self.max_nodes or replica.max_tree_nodes, replica.max_tree_nodes, budget,
-                   replica.max_context - len(req.history) - 1)
-
-    async def speculate(self, reqs: list[GenRequest], budget: int,
-                        mode: SpeculationMode) -> Trees:
-        """Trees for the speculating requests, or {} if no speculator answers."""
+    async def speculate(self, reqs: list[GenRequest], plans: list[SpeculatorPlan],
+                        mode: str) -> Trees:
+        """Trees for ``reqs`` as ``plans`` ask (``mode``: the step's, for the span), or {}
+        if no speculator answers."""
         if not reqs:
             return {}
         now = time.monotonic()
         trees = {}
+        sampling = [sampling_to_proto(r.params) for r in reqs]
+        configs = [speculator_pb2.TreeConfig(expansion=p.expansion,
+                                             max_nodes=p.max_nodes, ssm_only=p.ssm_only)
+                   for p in plans]
+        most = max(c.max_nodes for c in configs)
         # Affinity by the batch's first sequence (rendezvous hashing): a speculator keeps
         # the SSM caches of the sequences it drafted for, a larger pool shares the batches,
         # and one joining or leaving moves few of them.
@@ -159,18 +149,11 @@ class SpeculatorPool:
                 f"{key}|{m.address}".encode()).digest()):
             if member.down_until > now:
                 continue
-            sampling = [sampling_to_proto(r.params) for r in reqs]
-            # Merged: the verifier makes the model-free drafts, so only the SSMs' here.
-            configs = [speculator_pb2.TreeConfig(expansion=list(mode.expansion) or self.expansion,
-                                                 max_nodes=self.node_budget(r, budget, mode),
-                                                 ssm_only=mode.merge_speculator)
-                       for r in reqs]
-            most = max(c.max_nodes for c in configs)
             timeout = min(self.timeout_s, hop_timeout(reqs, self.step_timeout_s))
             try:
                 with tracing.batch_span("Speculate", [r.span for r in reqs], {
                         "specinfer.batch_size": len(reqs), "specinfer.node_budget": most,
-                        "specinfer.speculation_mode": mode.name,
+                        "specinfer.speculation_mode": mode,
                         "specinfer.speculator": member.address,
                         "specinfer.stream": self.use_stream}) as span:
                     if self.use_stream:
@@ -196,34 +179,6 @@ class SpeculatorPool:
         for r in reqs:
             r.speculate_s += time.monotonic() - now
         return trees
-
-    async def overlapped_step(self, batch: list[GenRequest], speculate: list[GenRequest],
-                              budget: int, mode: SpeculationMode,
-                              verify: Callable[[list[GenRequest], Trees], Awaitable[None]],
-                              running: Callable[[GenRequest], bool]) -> bool:
-        """One step in two micro-batches, drafting for one while the other is verified:
-        verify(first) ‖ draft(second), then verify(second) ‖ draft(first's next step). The
-        first micro-batch's trees were drafted during the previous step when still current.
-        ``running``: whether a request is still generating after its verification. Returns
-        whether any tree was verified."""
-        first, second = speculate[: len(speculate) // 2], speculate[len(speculate) // 2:]
-        drafting = {r.id for r in speculate}
-        trees = {}
-        for r in first:  # drafted ahead for this history, within this step's budget
-            hit = self.prefetched.get(r.id)
-            if hit is not None and hit[0] == len(r.history) and hit[1] <= budget:
-                trees[r.id] = hit[2]
-        trees |= await self.speculate([r for r in first if r.id not in trees], budget, mode)
-        plain = [r for r in batch if r.id not in drafting]
-        _, second_trees = await together(verify(first + plain, trees),
-                                         self.speculate(second, budget, mode))
-        ahead = [r for r in first if running(r) and r.replica is not None
-                 and r.replica.max_context - len(r.history) > 2]
-        _, next_trees = await together(verify(second, second_trees),
-                                       self.speculate(ahead, budget, mode))
-        self.prefetched = {r.id: (len(r.history), budget, next_trees[r.id]) for r in ahead
-                           if r.id in next_trees}
-        return bool(trees or second_trees)
 
     async def close(self) -> None:
         for check in self._checks.values():

@@ -1,17 +1,22 @@
 """What happens to a request in the router's running batch as steps emit its tokens and
 it leaves: its stream, its metrics and span, its KV slot, its shadow drafts' outcomes.
 
-``RequestLifecycle`` is the scheduler's base; it reads the scheduler's state
-(``running``, ``waiting``, ``replicas``, ``speculators``, ``policy``, ``metrics``,
-``eos_ids``, ``detokenize``, ``shadow_modes``), which ``Scheduler.__init__`` sets.
+The scheduler holds one ``RequestLifecycle``, built from exactly what it needs: the
+scheduler's queues (the same list objects: it mutates them in place), the replicas and
+speculators a leaving request is released from, the policy its yields feed, the metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
-from services.router.request import GenRequest
+from services.router.drafting import SpeculatorPool
+from services.router.metrics import RouterMetrics
+from services.router.policy import SpeculationPolicy
+from services.router.replicas import ReplicaSet
+from services.router.request import GenRequest, Replica
 from services.router.request_span import close_request_span
 from specinfer import tracing
 from specinfer.errors import ServiceError
@@ -21,14 +26,26 @@ from specinfer.wire import logprob_from_proto
 
 
 class RequestLifecycle:
-    async def _emit(self, req: GenRequest, tokens: list[int],
+    def __init__(self, running: list[GenRequest], waiting: list[GenRequest],
+                 replicas: ReplicaSet, speculators: SpeculatorPool, metrics: RouterMetrics,
+                 eos_ids: set[int], detokenize: Callable[[list[int]], str] | None,
+                 policy: SpeculationPolicy | None = None,
+                 shadow_modes: list[tuple[int, int]] | None = None) -> None:
+        self.running, self.waiting = running, waiting
+        self.replicas, self.speculators, self.metrics = replicas, speculators, metrics
+        self.eos_ids, self.detokenize = eos_ids, detokenize
+        self.policy = policy
+        # (mode index, nodes) of the modes measured by shadow drafts.
+        self.shadow_modes = shadow_modes or []
+
+    async def emit(self, req: GenRequest, tokens: list[int],
                     logprobs: list[common_pb2.TokenLogprob], step: bool,
                     drafted: int = 0) -> None:
         """Append a step's tokens and their logprobs (empty unless asked for) to the
         request and its stream; ``step``: an LLM step (Verify/Decode), not the prefill's
         first token, with a tree of ``drafted`` nodes."""
         if req.params.logprobs is not None and len(logprobs) != len(tokens):
-            self._fail(req, ServiceError(f"the verifier returned {len(logprobs)} logprobs "
+            self.fail(req, ServiceError(f"the verifier returned {len(logprobs)} logprobs "
                                          f"for {len(tokens)} tokens"))
             return
         new = req.append(tokens, self.eos_ids, self.detokenize)
@@ -37,12 +54,12 @@ class RequestLifecycle:
         if step:
             req.accepted_per_step.append(len(new))
             self.metrics.speculated(drafted, len(new))
-            self._measure_shadows(req)
+            self.measure_shadows(req)
         await req.events.put(("tokens", new))
         if req.finish_reason:
-            await self._finish(req, req.finish_reason)
+            await self.finish(req, req.finish_reason)
 
-    def _measure_shadows(self, req: GenRequest) -> None:
+    def measure_shadows(self, req: GenRequest) -> None:
         """Each shadow draft whose outcome the emitted tokens now settle: how many tokens a
         step of each model-free mode (its first nodes of the tree) would have emitted."""
         pending = []
@@ -59,7 +76,7 @@ class RequestLifecycle:
 
     # --- leaving the running batch ----------------------------------------------------
 
-    def _requeue(self, req: GenRequest) -> None:
+    def requeue(self, req: GenRequest) -> None:
         """Take a running sequence off its replica; it is prefilled again (on another
         replica if that one is down) from the router's history, first in the queue."""
         if req in self.running:
@@ -68,7 +85,7 @@ class RequestLifecycle:
         req.queued_at = time.monotonic()
         self.waiting.insert(0, req)
 
-    def _leave(self, req: GenRequest):
+    def leave(self, req: GenRequest) -> Replica | None:
         """Take a request out of the batch for good; returns the replica it was on."""
         if self.policy:
             self.policy.forget(req.id)
@@ -77,26 +94,26 @@ class RequestLifecycle:
             self.running.remove(req)
         return self.replicas.detach(req)
 
-    async def _finish(self, req: GenRequest, reason: str) -> None:
-        replica = self._leave(req)
+    async def finish(self, req: GenRequest, reason: str) -> None:
+        replica = self.leave(req)
         if replica is not None:
             with tracing.within(req.span):  # the Release call joins the request's trace
                 await self.replicas.release(replica, [req.id],
                                             keep_for_session=bool(req.session_id))
         req.finish_reason = reason
-        self._ended(req, "abort" if reason == "cancelled" else reason)
+        self.ended(req, "abort" if reason == "cancelled" else reason)
         await req.events.put(("done", reason))
 
-    def _fail(self, req: GenRequest, exc: Exception) -> None:
+    def fail(self, req: GenRequest, exc: Exception) -> None:
         req.error = exc
-        replica = self._leave(req)
+        replica = self.leave(req)
         if replica is not None:  # its KV slot
             with tracing.within(req.span):
                 asyncio.ensure_future(self.replicas.release(replica, [req.id]))
-        self._ended(req, "error", exc)
+        self.ended(req, "error", exc)
         req.events.put_nowait(("error", exc))
 
-    def _ended(self, req: GenRequest, reason: str, exc: Exception | None = None) -> None:
+    def ended(self, req: GenRequest, reason: str, exc: Exception | None = None) -> None:
         """The one place a request's end is recorded: its metrics, and its span (with what
         the request did) ended. ``reason``: stop, length, abort or error."""
         if req.ended:

@@ -1,8 +1,10 @@
-"""Speculation modes and the adaptive policy that picks one per step (no torch: the CLI
-takes the mode names from here).
+"""Speculation modes, the per-sequence plans they turn into, and the adaptive policy that
+picks one per step (no torch: the CLI takes the mode names from here).
 
-A mode says who drafts a step's trees and their shape. Mode 0 is plain decoding, so the
-index the policy chooses is an index into the router's tuple of modes.
+A mode says who drafts a step's trees and their shape; ``plan_step`` turns it into each
+sequence's ``StepPlan`` (the speculator's tree, the verifier's own draft sources and node
+budget), which is all the scheduler and the verifier read. Mode 0 is plain decoding, so
+the index the policy chooses is an index into the router's tuple of modes.
 """
 
 from __future__ import annotations
@@ -11,57 +13,92 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+from specinfer.plans import DraftPlan
+
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SpeculationMode:
-    """One way to speculate: who drafts a step's trees, and their shape."""
+    """One way to speculate, as data: who drafts a step's trees, and their shape. A mode
+    with neither the speculator nor own sources is plain decoding."""
 
     name: str
-    expansion: tuple[int, ...] = ()  # () = the speculator's default
-    max_nodes: int = 0  # 0 = the router's per-step budget
+    # The speculator pool's SSM trees (a Speculate call per step).
+    speculator: bool = False
+    # The verifier's own draft sources, by name (Info.draft_sources), in merge order.
+    sources: tuple[str, ...] = ()
+    expansion: tuple[int, ...] = ()  # the SSM trees' shape; () = the router's --expansion
+    max_nodes: int = 0  # the tree's node cap; 0 = the router's per-step budget
     # Split the speculating batch into two micro-batches and draft for one while the other
-    # is verified: pays where drafting and verifying do not share the same cores.
+    # steps: pays where drafting and verifying do not share the same cores.
     overlap: bool = False
-    # Model-free drafts made by the verifier from the history it holds (Verify items'
-    # draft_nodes): no Speculate call, no history sent, and no speculator needed.
-    in_verifier: bool = False
-    # With in_verifier: the verifier's draft head (on the LLM's features) drafts too.
-    draft_head: bool = False
-    # With in_verifier: the speculator's SSM trees too (half the node budget), merged in
-    # the verifier with its own drafts under the one budget (VerifyItem tree + draft_nodes).
-    merge_speculator: bool = False
-    # Mode 0: no tree at all, one token per step.
-    plain: bool = False
+    # Measured without running it: every step drafts (unverified) the tree of its sources
+    # for the next step, and what the sequence then emits shows how it would have fared.
+    # For cheap deterministic sources only.
+    shadow: bool = False
+
+    @property
+    def plain(self) -> bool:
+        return not self.speculator and not self.sources
 
 
-PLAIN = SpeculationMode("plain", plain=True)
-TREE = SpeculationMode("tree")
-TREE_OVERLAP = SpeculationMode("tree-overlap", overlap=True)
+NO_DRAFTS = DraftPlan()
+
+
+@dataclass(frozen=True)
+class SpeculatorPlan:
+    """The tree a sequence asks of the speculator pool this step."""
+
+    max_nodes: int
+    expansion: tuple[int, ...] = ()  # () = the speculator's default
+    # Its SSMs' drafts only: the verifier adds the model-free drafts itself.
+    ssm_only: bool = False
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One sequence's part of a step: its mode (an index into the router's modes), the
+    speculator's tree if any, the verifier's own drafts, and the shadow draft that measures
+    the shadow modes."""
+
+    mode: int = 0
+    speculator: SpeculatorPlan | None = None
+    draft: DraftPlan = NO_DRAFTS
+    shadow: DraftPlan = NO_DRAFTS
+
+    @property
+    def speculates(self) -> bool:
+        return self.speculator is not None or bool(self.draft)
+
+
+PLAIN = SpeculationMode("plain")
+TREE = SpeculationMode("tree", speculator=True)
+TREE_OVERLAP = SpeculationMode("tree-overlap", speculator=True, overlap=True)
 
 
 # What adaptive speculation chooses from besides plain decoding (mode 0). Model-free drafts
 # (corpus datastore, prompt lookup) cost almost nothing to make, so small trees of them can
 # pay where SSM trees do not (a CPU verifier, a large batch); which mode wins is measured.
-LOOKUP = SpeculationMode("lookup-2", max_nodes=2, in_verifier=True)
+LOOKUP = SpeculationMode("lookup-2", sources=("model_free",), max_nodes=2, shadow=True)
 # The verifier's draft head: its tree (the verifier's --head-tree, at most --head-nodes)
 # and model-free drafts, in one tree of up to 16 nodes (bench/speculator.py measures it;
 # 8 nodes accept fewer and, on a 2-core CPU, ran no faster); no Speculate call either.
-HEAD = SpeculationMode("head", max_nodes=16, in_verifier=True, draft_head=True)
-# The paper's merge: the SSM pool's trees, the draft head's and the model-free drafts in one
-# tree of up to 24 nodes, verified at once (each source's q recorded for MSS). The SSMs
-# draft only their own trees (the verifier adds the model-free drafts), each 3 children
-# then one more level: the best of the shapes bench/speculator.py --merged-shapes tried.
-MERGED = SpeculationMode("merged", expansion=(3, 1), max_nodes=24, in_verifier=True,
-                         draft_head=True, merge_speculator=True)
+HEAD = SpeculationMode("head", sources=("head", "model_free"), max_nodes=16)
+# The paper's merge: the SSM pool's trees (half the budget), the draft head's and the
+# model-free drafts in one tree of up to 24 nodes, verified at once (each source's q
+# recorded for MSS). The SSMs draft only their own trees (the verifier adds the model-free
+# drafts), each 3 children then one more level: the best of the shapes
+# bench/speculator.py --merged-shapes tried.
+MERGED = SpeculationMode("merged", speculator=True, sources=("head", "model_free"),
+                         expansion=(3, 1), max_nodes=24)
 # The same with two micro-batches: the speculator drafts one's SSM trees while the verifier
 # runs the other's step (batches of 2 or more sequences).
 MERGED_OVERLAP = dataclasses.replace(MERGED, name="merged-overlap", overlap=True)
 ADAPTIVE_MODES = (
     PLAIN,
     LOOKUP,
-    SpeculationMode("lookup-6", max_nodes=6, in_verifier=True),
+    SpeculationMode("lookup-6", sources=("model_free",), max_nodes=6, shadow=True),
     HEAD,
     TREE,
     TREE_OVERLAP,
@@ -73,6 +110,42 @@ ADAPTIVE_MODES = (
 SPECULATION_CHOICES = {"adaptive": ADAPTIVE_MODES, "always": (PLAIN, TREE),
                        "overlap": (PLAIN, TREE_OVERLAP), "lookup": (PLAIN, LOOKUP),
                        "head": (PLAIN, HEAD), "merged": (PLAIN, MERGED_OVERLAP, MERGED)}
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """What bounds a sequence's tree: the router's flags and its replica's limits."""
+
+    expansion: tuple[int, ...] = ()  # --expansion; () = the speculator's default
+    max_nodes: int = 0  # --max-nodes; 0 = each replica's max_tree_nodes
+    # A larger batch amortises the LLM's weights over more sequences, so each speculating
+    # sequence gets a smaller tree: this many nodes over their count, at least ``min_nodes``.
+    step_nodes: int = 64
+    min_nodes: int = 4
+
+
+def plan_step(mode: SpeculationMode, index: int, speculating: int, room: int,
+              budgets: Budgets, shadow: DraftPlan = NO_DRAFTS) -> StepPlan:
+    """A speculating sequence's plan under ``mode`` (``index`` in the router's modes), in a
+    step where ``speculating`` sequences speculate; ``room``: the most nodes its replica
+    and context allow. ``shadow``: the shadow draft asked of it."""
+    if mode.plain or room <= 0:
+        return StepPlan(shadow=shadow)
+    nodes = min(room, max(budgets.min_nodes, budgets.step_nodes // max(1, speculating)))
+    if budgets.max_nodes:
+        nodes = min(nodes, budgets.max_nodes)
+    if mode.max_nodes:
+        nodes = min(nodes, mode.max_nodes)
+    speculator = None
+    if mode.speculator:
+        # Merged with own sources: the SSMs draft half of a capped budget, the verifier's
+        # sources fill the rest (the sampled drafts are never cut, so they must fit).
+        ssm_nodes = min(nodes, mode.max_nodes // 2) if mode.sources and mode.max_nodes \
+            else nodes
+        speculator = SpeculatorPlan(ssm_nodes, mode.expansion or budgets.expansion,
+                                    ssm_only="model_free" in mode.sources)
+    return StepPlan(index, speculator, DraftPlan(mode.sources, nodes) if mode.sources
+                    else NO_DRAFTS, shadow)
 
 
 class SpeculationPolicy:
@@ -141,24 +214,40 @@ class SpeculationPolicy:
         return (own[0] + self.prior_steps * prior) / (own[1] + self.prior_steps)
 
     def rate(self, key: tuple[int, bool], mode: int, batch: int | None = None,
-             sequences: tuple[str, ...] = ()) -> float | None:
+             sequences: tuple[str, ...] = (), at_most: int | None = None) -> float | None:
         """Expected tokens per second of ``mode`` on a batch of ``batch`` sequences
-        (default: the bucket's size) of which ``sequences`` speculate; None if not measured yet."""
+        (default: the bucket's size) of which ``sequences`` speculate; with ``at_most``,
+        only that many of them do (those it expects most of, ``best``) and every other
+        sequence decodes plain. None if not measured yet."""
         t = self.times.get((*key, mode))
         if t is None or (mode and (key[1], mode) not in self.yields):
             return None
         batch = batch or key[0]
-        tokens = (batch - len(sequences)) * self.tokens_per_step(key[1], mode) + sum(
-            self.tokens_per_step(key[1], mode, seq) for seq in sequences)
+        if at_most is not None and mode:
+            best = self.best(key[1], mode, sequences, at_most)
+            tokens = batch - len(best) + sum(self.tokens_per_step(key[1], mode, seq)
+                                             for seq in best)
+        else:
+            tokens = (batch - len(sequences)) * self.tokens_per_step(key[1], mode) + sum(
+                self.tokens_per_step(key[1], mode, seq) for seq in sequences)
         return tokens / (t[0] / t[1])
 
+    def best(self, greedy: bool, mode: int, sequences: tuple[str, ...],
+             at_most: int) -> tuple[str, ...]:
+        """The ``at_most`` of ``sequences`` whose drafts ``mode`` expects most tokens from
+        (ties: in the order given)."""
+        ranked = sorted(sequences, key=lambda seq: -self.tokens_per_step(greedy, mode, seq))
+        return tuple(ranked[:at_most])
+
     def choose(self, batch: int, greedy: bool, skip: frozenset[int] = frozenset(),
-               sequences: tuple[str, ...] = ()) -> int:
+               sequences: tuple[str, ...] = (), at_most: int | None = None) -> int:
         """The mode for this step; modes in ``skip`` cannot run on this batch (e.g.
-        micro-batch overlap on one sequence) and are neither chosen nor counted down. ``sequences``:
-        the ids of the batch's speculating sequences, for their own measured yields."""
+        micro-batch overlap on one sequence) and are neither chosen nor counted down.
+        ``sequences``: the ids of the batch's sequences that may speculate, for their own
+        measured yields; ``at_most``: only that many of them may (``best``), the rest of
+        the batch decodes plain in the same step."""
         key = self._key(batch, greedy)
-        rates = [None if mode in skip else self.rate(key, mode, batch, sequences)
+        rates = [None if mode in skip else self.rate(key, mode, batch, sequences, at_most)
                  for mode in range(self.mode_count)]
         # Measure every mode first (the speculating ones, then plain decoding), except one
         # that lost by far at the next smaller batch size: speculation pays less as the

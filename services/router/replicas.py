@@ -27,6 +27,7 @@ from services.router.request import GenRequest, Replica
 from specinfer.channels import internal_channel
 from specinfer.tls import TlsConfig
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
+from specinfer.wire import STEP_PROTOCOL
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +114,17 @@ class ReplicaSet:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 5.0)
                 continue
+            if info.step_protocol != STEP_PROTOCOL:
+                # A verifier from before the Step call (a rolling upgrade): its sequences
+                # would fail every step, so it gets none; it joins once it is replaced.
+                log.error("verifier replica speaks another step protocol; not using it",
+                          extra={"replica": replica.address, "protocol": info.step_protocol,
+                                 "expected": STEP_PROTOCOL})
+                await asyncio.sleep(30.0)
+                continue
             replica.capacity = max(1, info.kv_capacity_tokens // max(1, info.max_context))
             replica.max_tree_nodes, replica.max_context = info.max_tree_nodes, info.max_context
-            replica.has_draft_head = info.draft_head
+            replica.draft_sources = frozenset(s.name for s in info.draft_sources)
             replica.joined = True
             if self.info is None:
                 self.info = info
@@ -158,12 +167,11 @@ class ReplicaSet:
             return min(joined)
         return self.info.max_context if self.info is not None else 2048
 
-    @property
-    def draft_head(self) -> bool:
-        """Whether every usable replica has a draft head (so the head mode can run
-        anywhere)."""
+    def have_sources(self, names: tuple[str, ...]) -> bool:
+        """Whether every usable replica drafts with its own sources ``names`` (so a mode
+        that names them can run anywhere)."""
         usable = [r for r in self.by_address.values() if r.usable]
-        return bool(usable) and all(r.has_draft_head for r in usable)
+        return bool(usable) and all(r.has_sources(names) for r in usable)
 
     def pick(self, req: GenRequest) -> Replica | None:
         """Consistent hashing on the session (or request) id, falling back to the least

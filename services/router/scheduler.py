@@ -1,81 +1,107 @@
 """The router's step loop (iteration-level scheduling).
 
-One loop drives every decoding step of every live sequence, top to bottom in ``_loop``:
-admit (new requests are prefilled and join the running batch), choose a speculation mode
-for the batch, draft (the speculator pool's trees, or none: the verifier drafts for
-itself), verify (every verifier replica verifies or decodes its sequences, replicas in
-parallel), emit (tokens to each request's stream). The router keeps each sequence's full
-token history, so a speculator that fails costs one step without speculation, and a
-verifier that fails has its sequences re-prefilled on another replica from that history
-(greedy output is unchanged).
+One loop drives every decoding step of every live sequence, top to bottom in ``_step``:
+admit (new requests are prefilled and join the running batch), plan (the policy picks a
+speculation mode and ``plan_step`` turns it into each sequence's ``StepPlan``: plain, the
+speculator's tree, the verifier's own drafts, or both), draft (the speculator pool's trees
+for the plans that ask for them), step (one ``Step`` call per verifier replica, replicas in
+parallel: one forward pass whatever the mix of plain and speculating rows), emit (tokens to
+each request's stream). Overlap modes split the speculating sequences into two
+micro-batches and draft one's trees while the other steps (``_overlapped``).
 
-Around it: ``request`` (the records), ``policy`` (modes and the adaptive choice),
-``replicas`` (affinity, failover, release), ``drafting`` (the speculator pool: calls,
-failover, overlap), ``lifecycle`` (emitting, requeueing and ending a request).
+The router keeps each sequence's full token history, so a speculator that fails costs one
+step without speculation, and a verifier that fails has its sequences re-prefilled on
+another replica from that history (greedy output is unchanged).
+
+Around it: ``request`` (the records), ``policy`` (modes, plans and the adaptive choice),
+``replicas`` (affinity, failover, release), ``drafting`` (the speculator pool: calls and
+failover), ``lifecycle`` (emitting, requeueing and ending a request).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
 from services.router.drafting import SpeculatorPool, Trees, together
 from services.router.lifecycle import RequestLifecycle
 from services.router.metrics import RouterMetrics
-from services.router.policy import SPECULATION_CHOICES, SpeculationMode, SpeculationPolicy
+from services.router.policy import (
+    NO_DRAFTS,
+    SPECULATION_CHOICES,
+    Budgets,
+    SpeculationPolicy,
+    StepPlan,
+    plan_step,
+)
 from services.router.replicas import ReplicaSet
-from services.router.request import GenRequest, hop_timeout
+from services.router.request import GenRequest, Replica, hop_timeout
 from services.router.request_span import open_request_span
 from specinfer import tracing
 from specinfer.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceError
+from specinfer.plans import DraftPlan
 from specinfer.tls import TlsConfig
 from specinfer.v1 import common_pb2, verifier_pb2
 from specinfer.wire import sampling_to_proto
 
+if TYPE_CHECKING:
+    from services.router.main import RouterConfig
+
 log = logging.getLogger(__name__)
 
+Plans = dict[str, StepPlan]  # by sequence id
 
-class Scheduler(RequestLifecycle):
-    def __init__(self, verifiers: list[str], speculators: list[str], *, eos_ids: list[int],
-                 max_waiting: int = 64, spec_max_batch: int = 2,
-                 expansion: list[int] | None = None, max_nodes: int = 0,
-                 step_timeout_s: float = 60.0, speculate_timeout_s: float = 10.0,
-                 prefill_token_budget: int = 4096,
+
+class Scheduler:
+    # A request's prompt tokens admitted per iteration, at most (the first one always is).
+    prefill_token_budget = 4096
+
+    def __init__(self, config: RouterConfig, *, eos_ids: list[int],
+                 verifiers: list[str] | None = None, speculators: list[str] | None = None,
                  detokenize: Callable[[list[int]], str] | None = None,
-                 speculation: str = "adaptive", queue_timeout_s: float = 60.0,
                  metrics: RouterMetrics | None = None, tls: TlsConfig | None = None,
-                 speculate_stream: bool = True) -> None:
+                 step_timeout_s: float = 60.0, budgets: Budgets | None = None) -> None:
         self.metrics = metrics if metrics is not None else RouterMetrics()
-        self.replicas = ReplicaSet(verifiers, self.metrics, tls=tls)
-        self.speculators = SpeculatorPool(speculators, self.metrics, expansion=expansion,
-                                          max_nodes=max_nodes, timeout_s=speculate_timeout_s,
+        self.replicas = ReplicaSet(verifiers or [], self.metrics, tls=tls)
+        self.speculators = SpeculatorPool(speculators or [], self.metrics,
+                                          timeout_s=config.speculate_timeout,
                                           step_timeout_s=step_timeout_s, tls=tls,
-                                          stream=speculate_stream)
-        self.eos_ids = set(eos_ids)
-        self.max_waiting = max_waiting
+                                          stream=config.speculate_rpc == "stream")
+        self.max_waiting = config.max_waiting
         # A request that waits this long for capacity is turned away (RESOURCE_EXHAUSTED,
         # HTTP 429): longer than a verifier's sequence lease plus a step by default, so
         # the slots a dead router held come back before anyone is.
-        self.queue_timeout_s = queue_timeout_s
-        self.spec_max_batch = spec_max_batch
-        self.modes = SPECULATION_CHOICES[speculation]  # mode 0: plain decoding
-        self.policy = SpeculationPolicy(len(self.modes)) if speculation == "adaptive" else None
-        # The verifier's model-free modes are measured on every step, not only when they
-        # run: it drafts (without verifying) the largest of their trees for the next step,
-        # and what the sequence then emits shows how each would have fared.
-        self.shadow_modes = [(i, m.max_nodes) for i, m in enumerate(self.modes)
-                             if m.in_verifier and not m.draft_head] if self.policy else []
-        self.shadow_nodes = max((n for _, n in self.shadow_modes), default=0)
+        self.queue_timeout_s = config.queue_timeout
+        # Speculating sequences per step, at most: in a larger batch the policy speculates
+        # for those whose drafts pay best (or none) and the rest decode plain, in the same
+        # forward pass.
+        self.spec_max_batch = config.spec_max_batch
+        self.budgets = budgets or Budgets()
+        self.modes = SPECULATION_CHOICES[config.speculation]  # mode 0: plain decoding
+        adaptive = config.speculation == "adaptive"
+        self.policy = SpeculationPolicy(len(self.modes)) if adaptive else None
+        # Shadow modes are measured on every step, not only when they run: the verifier
+        # drafts (without verifying) the largest of their trees for the next step, and
+        # what the sequence then emits shows how each would have fared.
+        shadow_modes = [(i, m.max_nodes) for i, m in enumerate(self.modes) if m.shadow] \
+            if adaptive else []
+        self.shadow = DraftPlan(
+            tuple(dict.fromkeys(s for i, _ in shadow_modes for s in self.modes[i].sources)),
+            max((n for _, n in shadow_modes), default=0))
         self.step_timeout_s = step_timeout_s
-        self.prefill_token_budget = prefill_token_budget
-        self.detokenize = detokenize
         self.waiting: list[GenRequest] = []
         self.running: list[GenRequest] = []
+        self.lifecycle = RequestLifecycle(self.running, self.waiting, self.replicas,
+                                          self.speculators, self.metrics, set(eos_ids),
+                                          detokenize, self.policy, shadow_modes)
+        # Trees drafted during an overlapped step's second half for the next step's first
+        # micro-batch: sequence id -> (history length drafted for, its plan, tree).
+        self.prefetched: dict[str, tuple[int, StepPlan, common_pb2.TokenTree]] = {}
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.step_mode = "plain"  # the running step's speculation mode, for its spans
@@ -165,11 +191,11 @@ class Scheduler(RequestLifecycle):
                     f"no verifier capacity for {self.queue_timeout_s:g} s; retry later",
                     retry_after_s=5)))
         for req in [r for r in self.running if r.cancelled]:
-            await self._finish(req, "cancelled")
+            await self.lifecycle.finish(req, "cancelled")
         for req in self.waiting:
             if req.cancelled:
-                self._ended(req, "abort")
-        self.waiting = [r for r in self.waiting if not r.cancelled]
+                self.lifecycle.ended(req, "abort")
+        self.waiting[:] = [r for r in self.waiting if not r.cancelled]
 
     def _move_off_leaving(self) -> None:
         """Sequences on a replica that left, or that drains while another can take them,
@@ -186,9 +212,11 @@ class Scheduler(RequestLifecycle):
                 "reason": "removed" if replica.removed else "draining"})
             self.metrics.failover("verifier")
             for req in reqs:
-                self._requeue(req)
+                self.lifecycle.requeue(req)
             asyncio.ensure_future(self.replicas.release(replica, [r.id for r in reqs]))
         self.replicas.forget_removed()
+
+    # --- admit ------------------------------------------------------------------------
 
     async def _admit(self) -> None:
         """Prefill waiting requests, up to the step's prompt-token budget (the first one is
@@ -204,7 +232,7 @@ class Scheduler(RequestLifecycle):
             self.metrics.admitted(req, time.monotonic())
             budget -= len(req.history)
             by_replica.setdefault(replica.address, []).append(req)
-        self.waiting = still
+        self.waiting[:] = still
         await asyncio.gather(*(self._prefill(reqs) for reqs in by_replica.values()))
 
     async def _prefill(self, reqs: list[GenRequest]) -> None:
@@ -219,7 +247,8 @@ class Scheduler(RequestLifecycle):
             except (ValueError, TypeError) as exc:  # fails alone, never blocks the queue
                 log.warning("request cannot be sent to a verifier", extra={
                     "sequence": r.id, "error": str(exc)[:200]})
-                self._fail(r, ServiceError(f"request could not be encoded: {type(exc).__name__}"))
+                self.lifecycle.fail(r, ServiceError(
+                    f"request could not be encoded: {type(exc).__name__}"))
         reqs = ok
         if not reqs:
             return
@@ -249,7 +278,7 @@ class Scheduler(RequestLifecycle):
                 self.waiting.extend(reqs)
             else:
                 for r in reqs:
-                    self._fail(r, exc)
+                    self.lifecycle.fail(r, exc)
             return
         self.metrics.verified("Prefill", 0, time.monotonic() - started)
         for r, res in zip(reqs, out.results, strict=True):
@@ -258,192 +287,222 @@ class Scheduler(RequestLifecycle):
                 r.first_token_at = time.monotonic()
             self.metrics.prefilled(r)
             self.running.append(r)
-            await self._emit(r, [res.token], _logprobs(res), step=False)
+            await self.lifecycle.emit(r, [res.token],
+                                      [res.logprob] if res.HasField("logprob") else [],
+                                      step=False)
+
+    # --- one iteration: plan, draft, step, emit ---------------------------------------
 
     async def _step(self) -> None:
         started = time.monotonic()
         batch = list(self.running)
         before = {r.id: len(r.generated) for r in batch}
         greedy = all(r.params.greedy for r in batch)
-        speculate = [r for r in batch if r.speculation
-                     and r.replica.max_context - len(r.history) > 2]
-        index = self._choose_mode(batch, speculate, greedy)
+        index, plans = self._plan(batch, greedy)
         mode = self.modes[index]
         self.step_mode = mode.name
-        if mode.plain:
-            speculate = []
-        # A larger batch amortises the LLM's weights over more sequences, so each sequence
-        # gets a smaller tree.
-        budget = max(4, 64 // max(1, len(speculate)))
-        if mode.overlap and len(speculate) >= 2:
-            verify, drafting = self._verify_all, mode
-            if mode.in_verifier:  # merged
-                drafting, nodes = self._verifier_drafting(mode, budget, speculate)
-
-                async def verify(reqs: list[GenRequest], trees: Trees) -> None:
-                    await self._verify_all(reqs, trees, nodes, draft_head=mode.draft_head)
-            drafted = await self.speculators.overlapped_step(
-                batch, speculate, budget, drafting, verify, lambda r: r in self.running
-            ) or mode.in_verifier
+        speculating = [r for r in batch if plans[r.id].speculates]
+        if mode.overlap:
+            drafted = await self._overlapped(batch, speculating, plans)
         else:
-            self.speculators.prefetched.clear()
-            shadow = len(batch) <= self.spec_max_batch
-            if mode.in_verifier:
-                drafting, nodes = self._verifier_drafting(mode, budget, speculate)
-                trees = await self.speculators.speculate(speculate, budget, drafting) \
-                    if mode.merge_speculator else {}
-                await self._verify_all(batch, trees, nodes, shadow, mode.draft_head)
-                drafted = True
-            else:
-                trees = await self.speculators.speculate(speculate, budget, mode)
-                await self._verify_all(batch, trees, shadow=shadow)
-                drafted = bool(trees)
+            self.prefetched.clear()
+            trees = await self._draft(speculating, plans)
+            await self._step_all(batch, plans, trees)
+            drafted = bool(trees) or any(plans[r.id].draft for r in speculating)
         self.metrics.step(mode.name if drafted else "plain")
-        if self.policy and len(batch) <= self.spec_max_batch \
-                and any(r.speculation for r in batch):
-            # The verifier's model-free modes are measured by their shadow drafts.
-            measured = drafted and (not mode.in_verifier or mode.draft_head)
+        if self.policy and any(r.speculation for r in batch):
+            # The shadow modes are measured by their shadow drafts, not by running them.
+            measured = drafted and not mode.shadow
             self.policy.record(len(batch), greedy, index if drafted else 0,
                                time.monotonic() - started,
-                               {r.id: len(r.generated) - before[r.id] for r in speculate}
+                               {r.id: len(r.generated) - before[r.id] for r in speculating}
                                if measured else None)
 
-    def _verifier_drafting(self, mode: SpeculationMode, budget: int,
-                           speculate: list[GenRequest]) -> tuple[SpeculationMode, dict[str, int]]:
-        """For a mode the verifier drafts in: the mode the speculator's SSM trees are asked
-        in (merged: half the node budget) and each sequence's whole budget, which the
-        verifier's own drafts fill after the SSM trees."""
-        return (dataclasses.replace(mode, max_nodes=mode.max_nodes // 2),
-                {r.id: self.speculators.node_budget(r, budget, mode) for r in speculate})
+    def _plan(self, batch: list[GenRequest], greedy: bool) -> tuple[int, Plans]:
+        """This step's mode and every sequence's plan in it. Sequences that asked for
+        speculation and have room for a tree may speculate; in a batch of more than
+        ``spec_max_batch`` sequences only that many do (the adaptive policy picks those
+        whose drafts pay best under each mode, and whether any speculating pays at all),
+        the rest decode plain in the same forward pass."""
+        candidates = [r for r in batch if r.speculation and self._room(r) > 1]
+        shadow = {r.id: self._shadow(r) for r in batch}
+        index, chosen = self._choose(batch, candidates, greedy)
+        mode = self.modes[index]
+        plans = {r.id: StepPlan(shadow=shadow[r.id]) for r in batch}
+        for r in chosen:
+            plans[r.id] = plan_step(mode, index, len(chosen), self._room(r), self.budgets,
+                                    shadow[r.id])
+        return index, plans
 
-    def _choose_mode(self, batch: list[GenRequest], speculate: list[GenRequest],
-                     greedy: bool) -> int:
-        """The index of this step's mode: plain decoding past ``spec_max_batch`` sequences
-        or with none speculating; else the policy's choice by measured speed at this batch
-        size, or the one forced mode where it can run."""
-        if not speculate or len(batch) > self.spec_max_batch:
-            return 0
+    def _choose(self, batch: list[GenRequest], candidates: list[GenRequest],
+                greedy: bool) -> tuple[int, list[GenRequest]]:
+        """The index of this step's mode and the sequences that speculate under it: the
+        policy's choice by measured speed at this batch size, or the one forced mode where
+        it can run (fixed modes speculate only up to ``spec_max_batch`` sequences)."""
+        if not candidates:
+            return 0, []
         if self.policy is None:
-            return next((i for i, m in enumerate(self.modes) if i
-                         and self._can_run(m, len(speculate))), 0)
-        return self.policy.choose(len(batch), greedy, skip=frozenset(
-            i for i, m in enumerate(self.modes) if not self._can_run(m, len(speculate))),
-            sequences=tuple(r.id for r in speculate))
+            if len(batch) > self.spec_max_batch:
+                return 0, []
+            index = next((i for i, m in enumerate(self.modes) if i
+                          and self._can_run(m, len(candidates))), 0)
+            return index, candidates if index else []
+        ids = tuple(r.id for r in candidates)
+        # Past spec_max_batch sequences: at most that many speculate (partial steps).
+        partial = len(batch) > self.spec_max_batch
+        at_most = min(len(ids), self.spec_max_batch)
+        if at_most == 0:
+            return 0, []
+        skip = frozenset(i for i, m in enumerate(self.modes) if not self._can_run(m, at_most))
+        index = self.policy.choose(len(batch), greedy, skip, ids,
+                                   at_most if partial else None)
+        if not index:
+            return 0, []
+        chosen = set(self.policy.best(greedy, index, ids, at_most) if partial else ids)
+        return index, [r for r in candidates if r.id in chosen]
 
-    def _can_run(self, mode: SpeculationMode, speculating: int) -> bool:
+    def _can_run(self, mode, speculating: int) -> bool:
         if mode.plain:
             return True
         if mode.overlap and speculating < 2:
             return False
-        if mode.merge_speculator and not self.speculators.available():
+        if mode.speculator and not self.speculators.available():
             return False
-        if mode.in_verifier:
-            return self.replicas.draft_head or not mode.draft_head
-        return self.speculators.available()
+        return self.replicas.have_sources(mode.sources)
 
-    async def _verify_all(self, reqs: list[GenRequest], trees: Trees,
-                          draft_nodes: dict[str, int] | None = None,
-                          shadow: bool = False, draft_head: bool = False) -> None:
-        """Verify (or decode) ``reqs`` that are still running, each verifier replica's
-        share in one call, replicas in parallel. ``trees``: the speculator's, by sequence
-        id; ``draft_nodes``: node budgets of sequences the verifier drafts for itself (with
-        its draft head too, if ``draft_head``); ``shadow``: ask for the shadow drafts that
-        measure the model-free modes."""
+    def _room(self, req: GenRequest) -> int:
+        """The most tree nodes ``req``'s replica and context allow this step."""
+        replica = req.replica
+        return min(replica.max_tree_nodes, replica.max_context - len(req.history) - 1)
+
+    def _shadow(self, req: GenRequest) -> DraftPlan:
+        """The shadow draft asked of ``req`` (for the shadow modes' measurements)."""
+        if not self.shadow or not req.speculation or req.replica is None \
+                or not req.replica.has_sources(self.shadow.sources):
+            return NO_DRAFTS
+        return DraftPlan(self.shadow.sources,
+                         min(self.shadow.max_nodes, req.replica.max_tree_nodes))
+
+    async def _draft(self, reqs: list[GenRequest], plans: Plans) -> Trees:
+        """The speculator's trees for the plans among ``reqs`` that ask for one."""
+        asking = [r for r in reqs if plans[r.id].speculator is not None]
+        return await self.speculators.speculate(
+            asking, [plans[r.id].speculator for r in asking], self.step_mode)
+
+    async def _overlapped(self, batch: list[GenRequest], speculating: list[GenRequest],
+                          plans: Plans) -> bool:
+        """One step in two micro-batches, drafting for one while the other steps:
+        step(first + plain rows) ‖ draft(second), then step(second) ‖ draft(first's next
+        step). The first micro-batch's trees were drafted during the previous step when
+        still current. Returns whether any tree was stepped."""
+        first, second = speculating[: len(speculating) // 2], speculating[len(speculating) // 2:]
+        trees = {}
+        for r in first:  # drafted ahead for this history, within this step's budget
+            hit = self.prefetched.get(r.id)
+            if hit is not None and hit[0] == len(r.history) \
+                    and hit[1].speculator.max_nodes <= plans[r.id].speculator.max_nodes:
+                trees[r.id] = hit[2]
+        trees |= await self._draft([r for r in first if r.id not in trees], plans)
+        plain = [r for r in batch if r not in speculating]
+        _, second_trees = await together(self._step_all(first + plain, plans, trees),
+                                         self._draft(second, plans))
+        ahead = [r for r in first if r in self.running and r.replica is not None
+                 and self._room(r) > 1]
+        _, next_trees = await together(self._step_all(second, plans, second_trees),
+                                       self._draft(ahead, plans))
+        self.prefetched = {r.id: (len(r.history), plans[r.id], next_trees[r.id])
+                           for r in ahead if r.id in next_trees}
+        return bool(trees or second_trees) or any(plans[r.id].draft for r in speculating)
+
+    async def _step_all(self, reqs: list[GenRequest], plans: Plans, trees: Trees) -> None:
+        """Step ``reqs`` that are still running: each verifier replica's share in one
+        Step call, replicas in parallel."""
         by_replica: dict[str, list[GenRequest]] = {}
         for r in reqs:
             if r in self.running and r.replica is not None:
                 by_replica.setdefault(r.replica.address, []).append(r)
-        await together(*(self._verify(rs, trees, draft_nodes or {}, shadow, draft_head)
-                         for rs in by_replica.values()))
+        await together(*(self._step_replica(rs, plans, trees) for rs in by_replica.values()))
 
-    async def _verify(self, reqs: list[GenRequest], trees: Trees, draft_nodes: dict[str, int],
-                      shadow: bool, draft_head: bool) -> None:
+    async def _step_replica(self, reqs: list[GenRequest], plans: Plans, trees: Trees) -> None:
+        """One Step call on one replica, then its tokens emitted."""
         replica = reqs[0].replica
-        with_tree = [r for r in reqs if r.id in trees or draft_nodes.get(r.id, 0) > 0]
-        plain = [r for r in reqs if r not in with_tree]
-        shadow_nodes = {r.id: min(self.shadow_nodes, replica.max_tree_nodes)
-                        if shadow and r.speculation else 0 for r in reqs}
-        calls = []
-        if with_tree:
-            calls.append(self._call(replica, "Verify", with_tree, verifier_pb2.VerifyRequest(
-                items=[verifier_pb2.VerifyItem(
-                    sequence_id=r.id, root_token=r.generated[-1], tree=trees.get(r.id),
-                    draft_nodes=draft_nodes.get(r.id, 0),
-                    draft_head=draft_head and draft_nodes.get(r.id, 0) > 0,
-                    shadow_nodes=shadow_nodes[r.id]) for r in with_tree])))
-        if plain:
-            calls.append(self._call(replica, "Decode", plain, verifier_pb2.DecodeRequest(
-                items=[verifier_pb2.DecodeItem(sequence_id=r.id, root_token=r.generated[-1],
-                                               shadow_nodes=shadow_nodes[r.id])
-                       for r in plain])))
+        request = verifier_pb2.StepRequest(items=[_step_item(r, plans[r.id], trees.get(r.id))
+                                                  for r in reqs])
         started = time.monotonic()
         try:
-            results = await together(*calls)
+            out = await self._call(replica, reqs, request)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                # The verifier freed a sequence after its lease (this router was paused):
-                # the call changed nothing, so all restart from the router's history.
-                log.warning("verifier lost a sequence; prefilling again",
-                            extra={"replica": replica.address, "error": exc.details()})
-                for r in reqs:
-                    self._requeue(r)
-                await self.replicas.release(replica, [r.id for r in reqs])
-            elif exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                for r in reqs:  # e.g. a tree the verifier rejects: fail loudly, not silently
-                    self._fail(r, exc)
-            elif _client_deadline_passed(exc, reqs):
-                # A client's deadline, not a dead replica: the expired requests end on the
-                # next loop; the others restart from the router's history (the verifier
-                # may or may not have applied the step).
-                for r in reqs:
-                    self._requeue(r)
-                await self.replicas.release(replica, [r.id for r in reqs])
-            else:
-                self.replicas.mark_down(replica, exc, [r.id for r in reqs])
-                for r in reqs:  # re-prefill elsewhere from the router's history
-                    self._requeue(r)
+            await self._step_failed(replica, reqs, exc)
             return
-        outs = []
-        if with_tree:
-            for r, res in zip(with_tree, results[0].results, strict=True):
-                outs.append((r, list(res.tokens), list(res.logprobs), res, res.drafted_nodes))
-                r.drafted += res.drafted_nodes
-                r.speculative_steps += res.drafted_nodes > 0
         for r in reqs:
             r.verify_s += time.monotonic() - started
-        if plain:
-            outs += [(r, [res.token], _logprobs(res), res, 0)
-                     for r, res in zip(plain, results[-1].results, strict=True)]
-        for r, tokens, logprobs, res, drafted in outs:
-            await self._emit(r, tokens, logprobs, step=True, drafted=drafted)
+        for r, res in zip(reqs, out.results, strict=True):
+            r.drafted += res.drafted_nodes
+            r.speculative_steps += res.drafted_nodes > 0
+            await self.lifecycle.emit(r, list(res.tokens), list(res.logprobs), step=True,
+                                      drafted=res.drafted_nodes)
             if res.HasField("next_draft") and not r.finish_reason:
                 r.shadows.append((len(r.generated), list(res.next_draft.tokens),
                                   list(res.next_draft.parents)))
 
-    async def _call(self, replica, rpc: str, reqs: list[GenRequest], request):
-        """A Verify or Decode call for ``reqs``, in a span of the first one's trace (linked
-        to the others'), timed for the metrics."""
+    async def _step_failed(self, replica: Replica, reqs: list[GenRequest],
+                           exc: grpc.aio.AioRpcError) -> None:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            # The verifier freed a sequence after its lease (this router was paused): the
+            # call changed nothing, so all restart from the router's history.
+            log.warning("verifier lost a sequence; prefilling again",
+                        extra={"replica": replica.address, "error": exc.details()})
+            for r in reqs:
+                self.lifecycle.requeue(r)
+            await self.replicas.release(replica, [r.id for r in reqs])
+        elif exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            for r in reqs:  # e.g. a tree the verifier rejects: fail loudly, not silently
+                self.lifecycle.fail(r, exc)
+        elif _client_deadline_passed(exc, reqs):
+            # A client's deadline, not a dead replica: the expired requests end on the next
+            # loop; the others restart from the router's history (the verifier may or may
+            # not have applied the step).
+            for r in reqs:
+                self.lifecycle.requeue(r)
+            await self.replicas.release(replica, [r.id for r in reqs])
+        else:
+            self.replicas.mark_down(replica, exc, [r.id for r in reqs])
+            for r in reqs:  # re-prefill elsewhere from the router's history
+                self.lifecycle.requeue(r)
+
+    async def _call(self, replica: Replica, reqs: list[GenRequest],
+                    request: verifier_pb2.StepRequest) -> verifier_pb2.StepResponse:
+        """The Step call, in a span of the first request's trace (linked to the others'),
+        timed for the metrics."""
         attributes = {"specinfer.batch_size": len(reqs), "specinfer.replica": replica.address,
                       "specinfer.speculation_mode": self.step_mode}
-        with tracing.batch_span(rpc, [r.span for r in reqs], attributes) as span:
+        with tracing.batch_span("Step", [r.span for r in reqs], attributes) as span:
             started = time.monotonic()
-            out = await getattr(replica.rpc, rpc)(request,
-                                                  timeout=hop_timeout(reqs, self.step_timeout_s))
-            nodes = [getattr(res, "drafted_nodes", 0) for res in out.results]
-            self.metrics.verified(rpc, max(nodes), time.monotonic() - started)
+            out = await replica.rpc.Step(request, timeout=hop_timeout(reqs, self.step_timeout_s))
+            nodes = [res.drafted_nodes for res in out.results]
+            self.metrics.verified("Step", max(nodes, default=0), time.monotonic() - started)
             if span.is_recording():
-                tokens = [len(res.tokens) if rpc == "Verify" else 1 for res in out.results]
+                tokens = [len(res.tokens) for res in out.results]
                 span.set_attributes({"specinfer.tree_nodes": sum(nodes),
                                      "specinfer.accepted_tokens": sum(tokens) - len(tokens)})
             return out
+
+
+def _step_item(req: GenRequest, plan: StepPlan,
+               tree: common_pb2.TokenTree | None) -> verifier_pb2.StepItem:
+    """``req``'s part of a Step call: its root, the speculator's tree, its plan."""
+    item = verifier_pb2.StepItem(sequence_id=req.id, root_token=req.generated[-1], tree=tree)
+    if plan.draft:
+        item.draft.sources.extend(plan.draft.sources)
+        item.draft.max_nodes = plan.draft.max_nodes
+    if plan.shadow:
+        item.shadow.sources.extend(plan.shadow.sources)
+        item.shadow.max_nodes = plan.shadow.max_nodes
+    return item
+
 
 def _client_deadline_passed(exc: grpc.aio.AioRpcError, reqs: list[GenRequest]) -> bool:
     """A hop that ran out of time because a client's deadline passed, not because the
     replica is dead."""
     return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and any(
         r.deadline_passed() for r in reqs)
-
-
-def _logprobs(result) -> list[common_pb2.TokenLogprob]:
-    """A Prefill or Decode result's one logprob, if it carries one."""
-    return [result.logprob] if result.HasField("logprob") else []

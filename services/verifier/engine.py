@@ -1,8 +1,8 @@
 """The verifier engine: sequences, KV slots, prefill, tree verification, decoding.
 
 Cache invariant: between calls a sequence's cache slot holds every token of the sequence
-except its last generated one (the *root*); the next Verify/Decode feeds the root together
-with the tree. After verification only the accepted path's K/V is kept, contiguous after
+except its last generated one (the *root*); the next Step feeds the root together with
+the sequence's tree. After verification only the accepted path's K/V is kept, contiguous after
 the prefix (``KVCache.compact``).
 
 Every request is validated in full before any state changes, so a bad item fails its call
@@ -14,15 +14,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from services.verifier.executor import ForwardArgs
+from services.verifier.executor import Executor, ForwardArgs
 from services.verifier.own_drafts import OwnDrafts
 from services.verifier.sequence import EngineConfig, SequenceState, SessionEntry
-from specinfer.drafting.head import FeatureDrafter
-from specinfer.drafting.model_free import ModelFreeDrafter
+from specinfer.drafting import DraftPlan, OwnSource
 from specinfer.errors import (
     InvalidArgument,
     NotFound,
@@ -62,28 +62,41 @@ class PrefillOut:
 
 
 @dataclass
-class VerifyOut:
+class StepItem:
+    """One sequence's part of a step: its last token (checked against the verifier's
+    record), a tree drafted elsewhere (empty: none), the verifier's own drafts for it, and
+    an unverified shadow draft for the next step (deterministic sources only)."""
+
+    sequence_id: str
+    root_token: int
+    tree: TokenTree = field(default_factory=TokenTree)
+    draft: DraftPlan = DraftPlan()
+    shadow: DraftPlan = DraftPlan()
+
+
+@dataclass
+class StepOut:
     sequence_id: str
     tokens: list[int]
     accepted_nodes: list[int]
     cached_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, if asked for
     drafted_nodes: int = 0  # the tree's nodes, sent or drafted here
-    next_draft: TokenTree | None = None  # a model-free tree for the next step, if asked for
+    next_draft: TokenTree | None = None  # the shadow tree for the next step, if asked for
 
 
 class VerifierEngine:
-    def __init__(self, executor, config: EngineConfig, model_name: str = "",
+    def __init__(self, executor: Executor, config: EngineConfig, model_name: str = "",
                  eos_token_ids: list[int] | None = None,
-                 model_free: ModelFreeDrafter | None = None,
-                 head_drafter: FeatureDrafter | None = None) -> None:
+                 sources: Sequence[OwnSource] = ()) -> None:
         self.executor = executor
         self.vocab_size = executor.vocab_size
-        if head_drafter is not None and (executor.tp != 1 or executor.pp != 1):
-            raise ValueError("a draft head needs the LLM's features in this process: "
-                             "tensor and pipeline parallel degree 1")
-        # The trees Verify items ask the verifier to draft (instead of sending one).
-        self.drafts = OwnDrafts(model_free, head_drafter, self.vocab_size, config)
+        # The trees Step items' plans ask the verifier to draft.
+        self.drafts = OwnDrafts(sources, self.vocab_size)
+        if self.drafts.needs_features and (executor.tp != 1 or executor.pp != 1):
+            raise ValueError("a draft source that reads the LLM's features needs them in this "
+                             "process: tensor and pipeline parallel degree 1")
+        self.forward_passes = 0  # Step calls' forward passes (one each)
         self.config = config
         self.model_name = model_name
         self.eos_token_ids = eos_token_ids or []
@@ -175,10 +188,8 @@ class VerifierEngine:
         while reuse < min(len(kept), len(prompt) - 1) and kept[reuse] == prompt[reuse]:
             reuse += 1
         features = None
-        if self.drafts.head is not None:
-            rt = self.drafts.head.runtime
-            features = torch.zeros(self.config.max_context, rt.config.hidden_size,
-                                   dtype=rt.dtype, device=rt.device)
+        if self.drafts.needs_features:
+            features = self.drafts.feature_buffer(self.config.max_context)
             if reuse:
                 features[:reuse] = kept_features[:reuse]
         logits = None
@@ -223,61 +234,18 @@ class VerifierEngine:
             return int(logits.argmax())
         return sample(target_probs(logits, params), gen)
 
-    # --- verification -----------------------------------------------------------------
+    # --- the step ---------------------------------------------------------------------
 
-    def verify(self, items: list[tuple[str, int, TokenTree]],
-               draft_nodes: list[int] | None = None,
-               shadow_nodes: list[int] | None = None,
-               draft_head: list[bool] | None = None) -> list[VerifyOut]:
-        """One forward for all trees; ``items``: (sequence id, root token, tree). An item
-        whose tree is empty and whose ``draft_nodes`` entry is positive gets a tree of at
-        most that many nodes drafted here: the model-free drafts from the sequence's own
-        tokens, after the draft head's if its ``draft_head`` entry is set. One whose
-        ``shadow_nodes`` entry is positive also gets, unverified, the model-free tree of at
-        most that many nodes for its next step."""
-        self._check_unique([sid for sid, _, _ in items])
+    def step(self, items: list[StepItem]) -> list[StepOut]:
+        """One decoding step of a batch, in one forward pass: each item's tree (sent,
+        drafted here by its plan, both merged, or none: one token decoded) verified
+        greedily or by MSS. An item's shadow plan also drafts, unverified, the tree of its
+        deterministic sources for the next step."""
+        seqs, budgets = self._check_step(items)
         if not items:  # an empty batch: nothing to run (a forward of none would fail)
             return []
-        draft_nodes = draft_nodes or [0] * len(items)
-        shadow_nodes = shadow_nodes or [0] * len(items)
-        draft_head = draft_head or [False] * len(items)
-        seqs, trees = [], []
-        for i, ((sid, root, tree), nodes) in enumerate(zip(items, draft_nodes, strict=True)):
-            seq = self._live(f"items[{i}].sequence_id", sid)
-            if root != seq.root:
-                raise InvalidArgument(f"items[{i}].root_token", f"is {root}, but the sequence's "
-                                      f"last token is {seq.root}")
-            if draft_head[i] and self.drafts.head is None:
-                raise InvalidArgument(f"items[{i}].draft_head", "this verifier has no draft "
-                                      "head (Info.draft_head)")
-            for name, n in (("draft_nodes", nodes), ("shadow_nodes", shadow_nodes[i])):
-                if not 0 <= n <= self.config.max_tree_nodes:
-                    raise InvalidArgument(f"items[{i}].{name}", f"{n} is outside "
-                                          f"[0, {self.config.max_tree_nodes}]")
-            if len(tree) > self.config.max_tree_nodes:
-                raise InvalidArgument(f"items[{i}].tree", f"{len(tree)} nodes exceed the budget "
-                                      f"of {self.config.max_tree_nodes}")
-            check_token_ids(f"items[{i}].tree.tokens", tree.tokens, self.vocab_size)
-            if seq.cached + 1 + len(tree) > self.config.max_context:
-                raise OutOfRange(f"items[{i}]: sequence {sid!r} would exceed max_context "
-                                 f"{self.config.max_context}")
-            if not seq.params.greedy and any(not d for d in tree.drafts):
-                raise InvalidArgument(f"items[{i}].tree.drafts",
-                                      "stochastic verification needs every node's drafts")
-            seqs.append(seq)
-            trees.append(tree)
-        budgets = [min(n, self.config.max_context - s.cached - 1) if n else 0
-                   for s, n in zip(seqs, draft_nodes, strict=True)]
-        for i, (tree, nodes) in enumerate(zip(trees, budgets, strict=True)):
-            if nodes and len(tree) > nodes:
-                raise InvalidArgument(f"items[{i}].tree", f"{len(tree)} nodes do not fit in "
-                                      f"draft_nodes {nodes}: a merged step's tree must")
-        # The head drafts in the room a sent tree leaves; all items are valid: draft.
-        head_trees = self.drafts.head_trees(seqs, [n - len(t) if n else 0 for n, t in zip(
-            budgets, trees, strict=True)], draft_head)
-        for i, (seq, nodes) in enumerate(zip(seqs, budgets, strict=True)):
-            if nodes > 0:
-                trees[i] = self.drafts.merged_tree(seq, nodes, head_trees.get(i), trees[i])
+        trees = self.drafts.trees(seqs, [it.draft for it in items], budgets,
+                                  [it.tree for it in items])
         now = time.monotonic()
         for seq in seqs:
             seq.touched = now
@@ -287,16 +255,55 @@ class VerifierEngine:
         visible = None if len(seqs) == 1 and q == 1 else batch.visibility(key_len)
         logits = self.executor.forward(ForwardArgs(
             batch.tokens, batch.position_ids, torch.tensor([s.slot for s in seqs]),
-            batch.prefix_lens, visible, features=self.drafts.head is not None,
+            batch.prefix_lens, visible, features=self.drafts.needs_features,
         ))
+        self.forward_passes += 1
         results = verify_batch(self._processed(logits, seqs, trees), trees,
                                [s.params for s in seqs], [s.generator for s in seqs])
         outs = [self._accept(seq, tree, acc, logits[b], b)
                 for b, (seq, tree, acc) in enumerate(zip(seqs, trees, results, strict=True))]
-        for seq, out, nodes in zip(seqs, outs, shadow_nodes, strict=True):
-            if nodes:
-                out.next_draft = self.drafts.model_free_tree(seq, nodes)
+        for seq, out, item in zip(seqs, outs, items, strict=True):
+            if item.shadow:
+                out.next_draft = self.drafts.deterministic_tree(
+                    seq, item.shadow.sources, min(item.shadow.max_nodes,
+                                                  self.config.max_context - seq.cached - 1))
         return outs
+
+    def _check_step(self, items: list[StepItem]) -> tuple[list[SequenceState], list[int]]:
+        """Every item checked before anything changes (a bad one fails the call alone);
+        returns the items' sequences and their trees' node budgets (0: no own drafts)."""
+        self._check_unique([it.sequence_id for it in items])
+        limit = self.config.max_tree_nodes
+        seqs, budgets = [], []
+        for i, item in enumerate(items):
+            seq = self._live(f"items[{i}].sequence_id", item.sequence_id)
+            if item.root_token != seq.root:
+                raise InvalidArgument(f"items[{i}].root_token", f"is {item.root_token}, but "
+                                      f"the sequence's last token is {seq.root}")
+            tree = item.tree
+            for name, plan in (("draft", item.draft), ("shadow", item.shadow)):
+                if not 0 <= plan.max_nodes <= limit:
+                    raise InvalidArgument(f"items[{i}].{name}.max_nodes", f"{plan.max_nodes} "
+                                          f"is outside [0, {limit}]")
+                self.drafts.check(f"items[{i}].{name}", plan, shadow=name == "shadow")
+            if len(tree) > limit:
+                raise InvalidArgument(f"items[{i}].tree", f"{len(tree)} nodes exceed the budget "
+                                      f"of {limit}")
+            check_token_ids(f"items[{i}].tree.tokens", tree.tokens, self.vocab_size)
+            if seq.cached + 1 + len(tree) > self.config.max_context:
+                raise OutOfRange(f"items[{i}]: sequence {item.sequence_id!r} would exceed "
+                                 f"max_context {self.config.max_context}")
+            if not seq.params.greedy and any(not d for d in tree.drafts):
+                raise InvalidArgument(f"items[{i}].tree.drafts",
+                                      "stochastic verification needs every node's drafts")
+            budget = min(item.draft.max_nodes, self.config.max_context - seq.cached - 1) \
+                if item.draft else 0
+            if budget and len(tree) > budget:
+                raise InvalidArgument(f"items[{i}].tree", f"{len(tree)} nodes do not fit in "
+                                      f"draft.max_nodes {budget}: a merged step's tree must")
+            seqs.append(seq)
+            budgets.append(budget)
+        return seqs, budgets
 
     @staticmethod
     def _processed(logits: torch.Tensor, seqs: list[SequenceState],
@@ -317,7 +324,7 @@ class VerifierEngine:
         return out
 
     def _accept(self, seq: SequenceState, tree: TokenTree, acc: Accepted,
-                logits: torch.Tensor, row: int) -> VerifyOut:
+                logits: torch.Tensor, row: int) -> StepOut:
         base = seq.cached + 1  # the root's K/V sits at seq.cached
         src = [base + n for n in acc.nodes]
         dst = list(range(base, base + len(acc.nodes)))
@@ -328,14 +335,8 @@ class VerifierEngine:
         if seq.features is not None:  # the root and the accepted nodes are cached now
             seq.features[seq.cached : seq.cached + len(rows)] = self.executor.features[row, rows]
         seq.tokens.extend(acc.tokens)
-        return VerifyOut(seq.id, acc.tokens, acc.nodes, seq.cached,
-                         self._logprobs(logits, rows, acc.tokens, seq.params), len(tree))
-
-    def decode(self, items: list[tuple[str, int]],
-               shadow_nodes: list[int] | None = None) -> list[VerifyOut]:
-        """Incremental decoding: a verification of empty trees."""
-        return self.verify([(sid, root, TokenTree()) for sid, root in items],
-                           shadow_nodes=shadow_nodes)
+        return StepOut(seq.id, acc.tokens, acc.nodes, seq.cached,
+                       self._logprobs(logits, rows, acc.tokens, seq.params), len(tree))
 
     # --- lifetime ---------------------------------------------------------------------
 
@@ -346,8 +347,7 @@ class VerifierEngine:
             if seq is None:
                 continue
             released += 1
-            if self.drafts.head is not None:
-                self.drafts.head.forget(sid)
+            self.drafts.forget(sid)
             if keep_for_session and seq.session_id:
                 old = self.sessions.pop(seq.session_id, None)
                 if old is not None:
@@ -386,7 +386,7 @@ class VerifierEngine:
             "max_tree_nodes": self.config.max_tree_nodes,
             "eos_token_ids": self.eos_token_ids,
             "live_sequences": len(self.sequences),
-            "draft_head": self.drafts.head is not None,
+            "draft_sources": self.drafts.describe(),
             "sequence_lease_seconds": self.config.sequence_lease_s,
         }
 

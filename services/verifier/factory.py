@@ -8,7 +8,8 @@ import torch
 from services.verifier.engine import EngineConfig, VerifierEngine, eos_ids, slot_len
 from services.verifier.executor import LocalExecutor
 from services.verifier.parallel import Rendezvous, start_ranks
-from specinfer.drafting.head import FeatureDrafter, load_head
+from specinfer.drafting import OwnSource
+from specinfer.drafting.head import FeatureDrafter, HeadSource, load_head
 from specinfer.drafting.model_free import ModelFreeDrafter
 from specinfer.models import load_model
 from specinfer.placement import Placement
@@ -31,16 +32,21 @@ def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
         raise ValueError("a draft head needs --tp 1 --pp 1")
     if tp * pp > 1:
         executor = start_ranks(llm, config, tp, pp, micro_batches, threads, placement, meet)
-        return VerifierEngine(executor, config, llm, executor.eos_token_ids, drafter)
+        return VerifierEngine(executor, config, llm, executor.eos_token_ids,
+                              [drafter or ModelFreeDrafter()])
     if threads:
         torch.set_num_threads(threads)
     model = load_model(llm)
     runtime = LlamaRuntime.from_model(model, config.slots, slot_len(config),
                                       placement=placement)
     runtime.capture_graphs(config.max_tree_nodes + 1)
-    drafts = None
+    # The verifier's own draft sources (``specinfer.drafting.OwnSource``), by the names
+    # Step plans give them; a new source is built here.
+    sources: list[OwnSource] = [drafter or ModelFreeDrafter()]
     if head:
-        drafts = FeatureDrafter(load_head(head, model), slots=config.slots,
-                                max_context=config.max_context,
-                                max_tree_nodes=config.max_tree_nodes, placement=placement)
-    return VerifierEngine(LocalExecutor(runtime), config, llm, eos_ids(model), drafter, drafts)
+        sources.append(HeadSource(
+            FeatureDrafter(load_head(head, model), slots=config.slots,
+                           max_context=config.max_context,
+                           max_tree_nodes=config.max_tree_nodes, placement=placement),
+            config.head_expansion, config.head_dynamic, config.head_nodes))
+    return VerifierEngine(LocalExecutor(runtime), config, llm, eos_ids(model), sources)

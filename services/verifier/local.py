@@ -8,8 +8,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.verifier.engine import PrefillSpec, VerifierEngine
+from services.verifier.engine import PrefillSpec, StepItem, VerifierEngine
+from specinfer.drafting import DraftPlan
 from specinfer.sampling import SamplingParams, TokenLogprob
+from specinfer.stops import SequenceStops, Stops
 from specinfer.tree import TokenTree
 
 # Maps the token histories of a batch (prompt + generated, the last one is each tree's
@@ -41,14 +43,15 @@ def generate_local(
     trees: TreeSource | None = None,
     params: SamplingParams | None = None,
     stop_token_ids: Sequence[int] | None = None,
-    draft_nodes: int = 0,
-    draft_head: bool = False,
+    draft: DraftPlan | None = None,
 ) -> list[LocalResult]:
-    """Decode a batch to ``max_new_tokens`` each (or a stop token, which is kept).
-    ``draft_nodes > 0`` has the verifier draft each step's trees itself (model-free drafts,
-    after its draft head's with ``draft_head``), merged with ``trees``' when given."""
+    """Decode a batch to ``max_new_tokens`` each (or a stop token, which is kept), one
+    ``Step`` per iteration. ``draft`` has the verifier draft each step's trees itself with
+    its own sources, merged with ``trees``' when given."""
     params = params or SamplingParams()
-    stop = set(engine.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    draft = draft or DraftPlan()
+    ends = Stops(max_new_tokens, frozenset(engine.eos_token_ids if stop_token_ids is None
+                                           else stop_token_ids))
     start = time.perf_counter()
     ids = [f"local-{next(_ids)}" for _ in prompts]
     first = engine.prefill([PrefillSpec(sid, list(p), params) for sid, p in zip(ids, prompts,
@@ -57,43 +60,28 @@ def generate_local(
     history = {sid: list(p) + [f.token] for sid, p, f in zip(ids, prompts, first, strict=True)}
     results = {sid: LocalResult([f.token], ttft_s=ttft, logprobs=f.logprobs)
                for sid, f in zip(ids, first, strict=True)}
-    live = [sid for sid in ids if first[ids.index(sid)].token not in stop and max_new_tokens > 1]
+    stops = {sid: SequenceStops(ends) for sid in ids}
+    for sid, f in zip(ids, first, strict=True):
+        stops[sid].add([f.token])
+    live = [sid for sid in ids if not stops[sid].finish_reason]
     try:
         while live:
             t0 = time.perf_counter()
-            if trees is None and draft_nodes:
-                t1 = t0
-                out = engine.verify([(sid, history[sid][-1], TokenTree()) for sid in live],
-                                    draft_nodes=[draft_nodes] * len(live),
-                                    draft_head=[draft_head] * len(live))
-            elif trees is None:
-                t1 = t0
-                out = engine.decode([(sid, history[sid][-1]) for sid in live])
-            else:
-                drafted = trees([history[sid] for sid in live])
-                t1 = time.perf_counter()
-                # With draft_nodes too: the verifier merges its own drafts into these trees.
-                out = engine.verify([(sid, history[sid][-1], t)
-                                     for sid, t in zip(live, drafted, strict=True)],
-                                    draft_nodes=[draft_nodes] * len(live),
-                                    draft_head=[draft_head and draft_nodes > 0] * len(live))
+            drafted = trees([history[sid] for sid in live]) if trees else [TokenTree()] * len(live)
+            t1 = time.perf_counter()
+            out = engine.step([StepItem(sid, history[sid][-1], tree, draft)
+                               for sid, tree in zip(live, drafted, strict=True)])
             t2 = time.perf_counter()
             for r in out:
                 res = results[r.sequence_id]
                 res.draft_s += t1 - t0
                 res.verify_s += t2 - t1
-                new = r.tokens[: max_new_tokens - len(res.token_ids)]
-                for k, tok in enumerate(new):
-                    if tok in stop:
-                        new = new[: k + 1]
-                        break
+                new = r.tokens[:stops[r.sequence_id].add(r.tokens)]
                 res.token_ids += new
                 res.logprobs += r.logprobs[: len(new)]
                 res.accepted_per_step.append(len(r.tokens))
                 history[r.sequence_id] += r.tokens
-            live = [sid for sid in live
-                    if len(results[sid].token_ids) < max_new_tokens
-                    and results[sid].token_ids[-1] not in stop]
+            live = [sid for sid in live if not stops[sid].finish_reason]
     finally:
         engine.release(ids)
     elapsed = time.perf_counter() - start

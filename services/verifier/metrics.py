@@ -37,6 +37,11 @@ class VerifierMetrics:
                                   "Draft tree nodes verified.", labels,
                                   registry=r).labels(**self._m)
 
+        self.forward_passes = Counter(PREFIX + "verifier_forward_passes",
+                                      "LLM forward passes of Step calls: one per call, whatever "
+                                      "mix of plain, tree and self-drafted rows it carries.",
+                                      labels, registry=r).labels(**self._m)
+
     def call(self, rpc: str, batch: int, nodes_per_tree: int, seconds: float) -> None:
         self.step_seconds.labels(rpc=rpc, tree_nodes=tree_size(nodes_per_tree),
                                  **self._m).observe(seconds)

@@ -21,7 +21,7 @@ class EngineConfig:
     # A live sequence no call has touched for this long is freed: its router died (a
     # router steps every sequence it holds far more often). 0 = never.
     sequence_lease_s: float = 30.0
-    # The draft head's tree (``VerifyItem.draft_head``): dynamic (EAGLE-2 style: the most
+    # The draft head's tree (the ``head`` draft source): dynamic (EAGLE-2 style: the most
     # probable paths) for greedy sequences, the static expansion for sampled ones and with
     # ``head_dynamic`` off; at most ``head_nodes`` of the item's node budget, so the
     # model-free drafts keep the rest (they accept whole repeats the head rarely drafts).
@@ -41,9 +41,10 @@ class SequenceState:
     prompt_length: int = 0  # tokens[:prompt_length] are the prompt, the rest generated
     created: float = field(default_factory=time.monotonic)
     touched: float = field(default_factory=time.monotonic)  # the last call on it
-    # The last model-free tree drafted for it: (token count it was drafted for, node
-    # budget, tree). A shadow draft is the next step's tree: drafted once, not twice.
-    model_free_draft: tuple[int, int, TokenTree] | None = None
+    # The last tree of deterministic sources drafted for it: (their names, token count it
+    # was drafted for, node budget, tree). A shadow draft is the next step's tree: drafted
+    # once, not twice.
+    kept_draft: tuple[tuple[str, ...], int, int, TokenTree] | None = None
     # With a draft head: the LLM's normed last hidden state of every cached token.
     features: torch.Tensor | None = None
 

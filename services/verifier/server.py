@@ -14,13 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry import trace
 
-from services.verifier.engine import PrefillSpec, VerifierEngine
+from services.verifier.engine import PrefillSpec, StepItem, VerifierEngine
 from services.verifier.metrics import VerifierMetrics
 from specinfer import tracing
 from specinfer.errors import ResourceExhausted
 from specinfer.grpc_server import abort_on_error, serve_engine
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 from specinfer.wire import (
+    STEP_PROTOCOL,
+    draft_plan_from_proto,
     logprob_to_proto,
     sampling_from_proto,
     tree_from_proto,
@@ -67,16 +69,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         log.debug("done", extra={"method": method, "ms": seconds * 1e3})
         return result, seconds
 
-    def _parse_trees(self, request: verifier_pb2.VerifyRequest):
-        items = []
-        for i, item in enumerate(request.items):
-            try:
-                tree = tree_from_proto(item.tree)
-            except ValueError as exc:
-                raise ValueError(f"items[{i}].{exc}") from exc
-            items.append((item.sequence_id, item.root_token, tree))
-        return items
-
     async def Prefill(self, request, context):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down: "
@@ -104,38 +96,24 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                        logprob=_first_logprob(r.logprobs)) for r in out
         ])
 
-    async def Verify(self, request, context):
-        draft_nodes = [item.draft_nodes for item in request.items]
-        shadow_nodes = [item.shadow_nodes for item in request.items]
-        draft_head = [item.draft_head for item in request.items]
-        out, seconds = await self._call(context, "Verify", lambda engine: engine.verify(
-            self._parse_trees(request), draft_nodes, shadow_nodes, draft_head))
+    async def Step(self, request, context):
+        out, seconds = await self._call(context, "Step", lambda engine: engine.step(
+            [step_item_from_proto(item, f"items[{i}]") for i, item in enumerate(request.items)]))
         nodes = [r.drafted_nodes for r in out]
-        self.metrics.call("Verify", len(out), max(nodes, default=0), seconds)
+        self.metrics.call("Step", len(out), max(nodes, default=0), seconds)
         self.metrics.tree_nodes.inc(sum(nodes))
+        if out:
+            self.metrics.forward_passes.inc()
         _annotate(batch_size=len(out), tree_nodes=sum(nodes),
                   accepted_tokens=sum(len(r.tokens) - 1 for r in out), engine_seconds=seconds)
-        return verifier_pb2.VerifyResponse(results=[
-            verifier_pb2.VerifyResult(sequence_id=r.sequence_id, tokens=r.tokens,
-                                      accepted_nodes=r.accepted_nodes,
-                                      cached_tokens=r.cached_tokens,
-                                      logprobs=[logprob_to_proto(lp) for lp in r.logprobs],
-                                      drafted_nodes=r.drafted_nodes,
-                                      next_draft=tree_shape_to_proto(r.next_draft))
+        return verifier_pb2.StepResponse(results=[
+            verifier_pb2.StepResult(sequence_id=r.sequence_id, tokens=r.tokens,
+                                    accepted_nodes=r.accepted_nodes,
+                                    cached_tokens=r.cached_tokens,
+                                    logprobs=[logprob_to_proto(lp) for lp in r.logprobs],
+                                    drafted_nodes=r.drafted_nodes,
+                                    next_draft=tree_shape_to_proto(r.next_draft))
             for r in out
-        ])
-
-    async def Decode(self, request, context):
-        items = [(it.sequence_id, it.root_token) for it in request.items]
-        out, seconds = await self._call(context, "Decode", VerifierEngine.decode, items,
-                                        [it.shadow_nodes for it in request.items])
-        self.metrics.call("Decode", len(out), 0, seconds)
-        _annotate(batch_size=len(out), engine_seconds=seconds)
-        return verifier_pb2.DecodeResponse(results=[
-            verifier_pb2.DecodeResult(sequence_id=r.sequence_id, token=r.tokens[0],
-                                      cached_tokens=r.cached_tokens,
-                                      logprob=_first_logprob(r.logprobs),
-                                      next_draft=tree_shape_to_proto(r.next_draft)) for r in out
         ])
 
     async def Release(self, request, context):
@@ -145,7 +123,21 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def Info(self, request, context):
         info, _ = await self._call(context, "Info", VerifierEngine.info)
-        return verifier_pb2.InfoResponse(**info)
+        sources = [verifier_pb2.DraftSource(name=name, sampled=sampled)
+                   for name, sampled in info.pop("draft_sources")]
+        return verifier_pb2.InfoResponse(**info, draft_sources=sources,
+                                         step_protocol=STEP_PROTOCOL)
+
+
+def step_item_from_proto(msg: verifier_pb2.StepItem, field: str) -> StepItem:
+    """A Step item as the engine takes it; errors name ``field`` and the bad part."""
+    try:
+        tree = tree_from_proto(msg.tree)
+    except ValueError as exc:
+        raise ValueError(f"{field}.{exc}") from exc
+    return StepItem(msg.sequence_id, msg.root_token, tree,
+                    draft_plan_from_proto(msg.draft, f"{field}.draft"),
+                    draft_plan_from_proto(msg.shadow, f"{field}.shadow"))
 
 
 def _annotate(**attributes) -> None:

@@ -86,6 +86,42 @@ def bundled_head(llm_ref: str) -> Path | None:
     return path if (path / HEAD_MANIFEST).exists() else None
 
 
+class HeadSource:
+    """The draft head as the verifier's own draft source ``head`` (its drafts are sampled
+    for stochastic sequences): its tree is dynamic (EAGLE-2 style: the most probable paths)
+    for greedy sequences with ``dynamic``, else the static ``expansion``; at most
+    ``max_nodes`` of a step's budget, so the model-free drafts keep the rest (they accept
+    whole repeats the head rarely drafts)."""
+
+    name = "head"
+    sampled = True
+    needs_features = True
+    sources = 1
+
+    def __init__(self, drafter: FeatureDrafter, expansion: tuple[int, ...] = (2, 1, 1, 1),
+                 dynamic: bool = True, max_nodes: int = 8) -> None:
+        self.drafter = drafter
+        self.expansion = list(expansion)
+        self.dynamic = dynamic
+        self.max_nodes = max_nodes
+
+    def feature_buffer(self, length: int) -> torch.Tensor:
+        """Room for ``length`` tokens' LLM features, in the head's number format."""
+        rt = self.drafter.runtime
+        return torch.zeros(length, rt.config.hidden_size, dtype=rt.dtype, device=rt.device)
+
+    def bind(self, source: int, vocab_size: int) -> None:
+        self.drafter.source = source  # its vocabulary is the LLM's by construction
+
+    def propose(self, requests: list[DraftRequest]) -> list[TokenTree]:
+        return self.drafter.propose([dataclasses.replace(
+            r, expansion=self.expansion, dynamic=self.dynamic,
+            max_nodes=min(r.max_nodes, self.max_nodes)) for r in requests])
+
+    def forget(self, sequence_id: str) -> None:
+        self.drafter.forget(sequence_id)
+
+
 class FeatureDrafter(SSMDrafter):
     """Drafts trees with a ``DraftHead`` on the tree-attention runtime. Requests carry the
     LLM's features of every context token but the root (``DraftRequest.features``): the

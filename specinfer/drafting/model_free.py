@@ -1,15 +1,16 @@
 """Model-free drafts: the corpus datastore and prompt lookup, merged into one tree.
 
 These drafts need no model and cost microseconds, so they are made wherever the token
-history already is: in the speculator beside the SSMs, and in the verifier itself
-(``VerifyItem.draft_nodes``), which spares the router a Speculate call, and the history's
-transfer, on every step of the model-free speculation modes.
+history already is: in the speculator beside the SSMs, and in the verifier itself (a Step
+plan's ``model_free`` source), which spares the router a Speculate call, and the
+history's transfer, on every step of the model-free speculation modes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from specinfer.drafting import DraftRequest
 from specinfer.drafting.datastore import NgramDatastore
@@ -19,6 +20,11 @@ from specinfer.tree import TokenTree, merge_trees
 
 @dataclass
 class ModelFreeDrafter:
+    # As the verifier's own source (``specinfer.drafting.OwnSource``).
+    name: ClassVar[str] = "model_free"
+    sampled: ClassVar[bool] = False
+    needs_features: ClassVar[bool] = False
+
     datastore: NgramDatastore | None = None
     prompt_lookup: bool = True  # in the sequence's own tokens
     prompt_lookup_depth: int = 6
@@ -38,6 +44,9 @@ class ModelFreeDrafter:
     @property
     def sources(self) -> int:
         return (1 if self.prompt_lookup else 0) + (1 if self.datastore is not None else 0)
+
+    def bind(self, source: int, vocab_size: int) -> None:
+        self.source, self.vocab_size = source, vocab_size
 
     def propose(self, requests: list[DraftRequest]) -> list[TokenTree]:
         return [self.tree(r.context, r.max_nodes) for r in requests]

@@ -45,29 +45,35 @@ class PrefillResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[PrefillResult]
     def __init__(self, results: _Optional[_Iterable[_Union[PrefillResult, _Mapping]]] = ...) -> None: ...
 
-class VerifyItem(_message.Message):
-    __slots__ = ("sequence_id", "root_token", "tree", "draft_nodes", "shadow_nodes", "draft_head")
+class DraftPlan(_message.Message):
+    __slots__ = ("sources", "max_nodes")
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    max_nodes: int
+    def __init__(self, sources: _Optional[_Iterable[str]] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+
+class StepItem(_message.Message):
+    __slots__ = ("sequence_id", "root_token", "tree", "draft", "shadow")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
-    SHADOW_NODES_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_HEAD_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     root_token: int
     tree: _common_pb2.TokenTree
-    draft_nodes: int
-    shadow_nodes: int
-    draft_head: bool
-    def __init__(self, sequence_id: _Optional[str] = ..., root_token: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft_nodes: _Optional[int] = ..., shadow_nodes: _Optional[int] = ..., draft_head: _Optional[bool] = ...) -> None: ...
+    draft: DraftPlan
+    shadow: DraftPlan
+    def __init__(self, sequence_id: _Optional[str] = ..., root_token: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft: _Optional[_Union[DraftPlan, _Mapping]] = ..., shadow: _Optional[_Union[DraftPlan, _Mapping]] = ...) -> None: ...
 
-class VerifyRequest(_message.Message):
+class StepRequest(_message.Message):
     __slots__ = ("items",)
     ITEMS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[VerifyItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ...) -> None: ...
+    items: _containers.RepeatedCompositeFieldContainer[StepItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ...) -> None: ...
 
-class VerifyResult(_message.Message):
+class StepResult(_message.Message):
     __slots__ = ("sequence_id", "tokens", "accepted_nodes", "cached_tokens", "logprobs", "drafted_nodes", "next_draft")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -85,47 +91,11 @@ class VerifyResult(_message.Message):
     next_draft: _common_pb2.TokenTree
     def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., drafted_nodes: _Optional[int] = ..., next_draft: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
-class VerifyResponse(_message.Message):
+class StepResponse(_message.Message):
     __slots__ = ("results",)
     RESULTS_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
-
-class DecodeItem(_message.Message):
-    __slots__ = ("sequence_id", "root_token", "shadow_nodes")
-    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
-    ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    SHADOW_NODES_FIELD_NUMBER: _ClassVar[int]
-    sequence_id: str
-    root_token: int
-    shadow_nodes: int
-    def __init__(self, sequence_id: _Optional[str] = ..., root_token: _Optional[int] = ..., shadow_nodes: _Optional[int] = ...) -> None: ...
-
-class DecodeRequest(_message.Message):
-    __slots__ = ("items",)
-    ITEMS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[DecodeItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[DecodeItem, _Mapping]]] = ...) -> None: ...
-
-class DecodeResult(_message.Message):
-    __slots__ = ("sequence_id", "token", "cached_tokens", "logprob", "next_draft")
-    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_FIELD_NUMBER: _ClassVar[int]
-    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    NEXT_DRAFT_FIELD_NUMBER: _ClassVar[int]
-    sequence_id: str
-    token: int
-    cached_tokens: int
-    logprob: _common_pb2.TokenLogprob
-    next_draft: _common_pb2.TokenTree
-    def __init__(self, sequence_id: _Optional[str] = ..., token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., next_draft: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
-
-class DecodeResponse(_message.Message):
-    __slots__ = ("results",)
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[DecodeResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[DecodeResult, _Mapping]]] = ...) -> None: ...
+    results: _containers.RepeatedCompositeFieldContainer[StepResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("sequence_ids", "keep_for_session")
@@ -146,7 +116,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "kv_capacity_tokens", "kv_free_tokens", "dtype", "tensor_parallel", "pipeline_parallel", "max_tree_nodes", "eos_token_ids", "live_sequences", "draft_head", "sequence_lease_seconds", "device")
+    __slots__ = ("model", "vocab_size", "max_context", "kv_capacity_tokens", "kv_free_tokens", "dtype", "tensor_parallel", "pipeline_parallel", "max_tree_nodes", "eos_token_ids", "live_sequences", "sequence_lease_seconds", "device", "step_protocol", "draft_sources")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -158,9 +128,10 @@ class InfoResponse(_message.Message):
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_HEAD_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STEP_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SOURCES_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -172,7 +143,16 @@ class InfoResponse(_message.Message):
     max_tree_nodes: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     live_sequences: int
-    draft_head: bool
     sequence_lease_seconds: float
     device: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., live_sequences: _Optional[int] = ..., draft_head: _Optional[bool] = ..., sequence_lease_seconds: _Optional[float] = ..., device: _Optional[str] = ...) -> None: ...
+    step_protocol: int
+    draft_sources: _containers.RepeatedCompositeFieldContainer[DraftSource]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., live_sequences: _Optional[int] = ..., sequence_lease_seconds: _Optional[float] = ..., device: _Optional[str] = ..., step_protocol: _Optional[int] = ..., draft_sources: _Optional[_Iterable[_Union[DraftSource, _Mapping]]] = ...) -> None: ...
+
+class DraftSource(_message.Message):
+    __slots__ = ("name", "sampled")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sampled: bool
+    def __init__(self, name: _Optional[str] = ..., sampled: _Optional[bool] = ...) -> None: ...

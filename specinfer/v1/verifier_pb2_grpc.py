@@ -39,15 +39,10 @@ class VerifierStub:
                 request_serializer=specinfer_dot_v1_dot_verifier__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=specinfer_dot_v1_dot_verifier__pb2.PrefillResponse.FromString,
                 _registered_method=True)
-        self.Verify = channel.unary_unary(
-                '/specinfer.v1.Verifier/Verify',
-                request_serializer=specinfer_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=specinfer_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
-                _registered_method=True)
-        self.Decode = channel.unary_unary(
-                '/specinfer.v1.Verifier/Decode',
-                request_serializer=specinfer_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=specinfer_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
+        self.Step = channel.unary_unary(
+                '/specinfer.v1.Verifier/Step',
+                request_serializer=specinfer_dot_v1_dot_verifier__pb2.StepRequest.SerializeToString,
+                response_deserializer=specinfer_dot_v1_dot_verifier__pb2.StepResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specinfer.v1.Verifier/Release',
@@ -71,15 +66,9 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Verify(self, request, context):
-        """Verify one token tree per sequence in one forward pass, batched.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Decode(self, request, context):
-        """Incremental decoding (speculation off): one token per sequence.
+    def Step(self, request, context):
+        """One decoding step of a batch in one forward pass: each item's tree (sent, drafted
+        here by its plan, or none) verified, or one token decoded where there is no tree.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,15 +96,10 @@ def add_VerifierServicer_to_server(servicer, server):
                     request_deserializer=specinfer_dot_v1_dot_verifier__pb2.PrefillRequest.FromString,
                     response_serializer=specinfer_dot_v1_dot_verifier__pb2.PrefillResponse.SerializeToString,
             ),
-            'Verify': grpc.unary_unary_rpc_method_handler(
-                    servicer.Verify,
-                    request_deserializer=specinfer_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
-                    response_serializer=specinfer_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
-            ),
-            'Decode': grpc.unary_unary_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=specinfer_dot_v1_dot_verifier__pb2.DecodeRequest.FromString,
-                    response_serializer=specinfer_dot_v1_dot_verifier__pb2.DecodeResponse.SerializeToString,
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=specinfer_dot_v1_dot_verifier__pb2.StepRequest.FromString,
+                    response_serializer=specinfer_dot_v1_dot_verifier__pb2.StepResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -166,7 +150,7 @@ class Verifier:
             _registered_method=True)
 
     @staticmethod
-    def Verify(request,
+    def Step(request,
             target,
             options=(),
             channel_credentials=None,
@@ -179,36 +163,9 @@ class Verifier:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specinfer.v1.Verifier/Verify',
-            specinfer_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
-            specinfer_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Decode(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specinfer.v1.Verifier/Decode',
-            specinfer_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
-            specinfer_dot_v1_dot_verifier__pb2.DecodeResponse.FromString,
+            '/specinfer.v1.Verifier/Step',
+            specinfer_dot_v1_dot_verifier__pb2.StepRequest.SerializeToString,
+            specinfer_dot_v1_dot_verifier__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,
