@@ -23,6 +23,7 @@ from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
 from specinfer.chat import chat_prompt_ids
 from specinfer.data import mtbench_first_turns
+from specinfer.drafting import DraftPlan
 from specinfer.drafting.head import bundled_head
 from specinfer.drafting.model_free import ModelFreeDrafter
 from specinfer.models import DEFAULT_LLM, load_tokenizer
@@ -62,8 +63,9 @@ def main() -> None:
         same, diffs, accepted, start = 0, [], [], time.perf_counter()
         for ids in prompts:
             plain = generate_local(engine, [ids], args.new_tokens)[0]
+            sources = ("head", "model_free") if head else ("model_free",)
             spec = generate_local(engine, [ids], args.new_tokens,
-                                  draft_nodes=args.draft_nodes, draft_head=head is not None)[0]
+                                  draft=DraftPlan(sources, args.draft_nodes))[0]
             d = first_difference(plain.token_ids, spec.token_ids)
             same += d is None
             if d is not None:

@@ -42,6 +42,7 @@ from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
 from specinfer.chat import chat_prompt_ids
 from specinfer.data import mtbench_first_turns
+from specinfer.drafting import DraftPlan
 from specinfer.drafting.datastore import sharegpt_datastore
 from specinfer.drafting.head import bundled_head
 from specinfer.drafting.model_free import ModelFreeDrafter
@@ -136,7 +137,7 @@ class Bench:
     def ours_head(self, ids, params, max_nodes=HEAD_NODES):
         """The engine drafting its own trees: the draft head's chain and model-free drafts."""
         res = generate_local(self.engine, [ids], self.args.new_tokens, params=params,
-                             draft_nodes=max_nodes, draft_head=True)[0]
+                             draft=DraftPlan(("head", "model_free"), max_nodes))[0]
         return {"tokens": len(res.token_ids), "elapsed": res.elapsed_s, "ttft": res.ttft_s,
                 "accepted": sum(res.accepted_per_step) / max(1, res.steps),
                 "draft_s": 0.0, "verify_s": res.verify_s}

@@ -34,7 +34,7 @@ from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
 from specinfer.chat import chat_prompt_ids
 from specinfer.data import mtbench_first_turns
-from specinfer.drafting import DraftRequest
+from specinfer.drafting import DraftPlan, DraftRequest
 from specinfer.drafting.datastore import sharegpt_datastore
 from specinfer.drafting.head import FeatureDrafter, bundled_head
 from specinfer.drafting.model_free import ModelFreeDrafter
@@ -143,8 +143,9 @@ def length_profile(engine, prompts, cuts: list[int], configs) -> list[dict]:
     engine.config.head_expansion = default.head_expansion
     engine.config.head_dynamic = default.head_dynamic
     for name, budget, params, head in configs:
-        runs = [generate_local(engine, [p], max(cuts), params=params, draft_nodes=budget,
-                               draft_head=head)[0] for p in prompts]
+        plan = DraftPlan(("head", "model_free") if head else ("model_free",), budget)
+        runs = [generate_local(engine, [p], max(cuts), params=params, draft=plan)[0]
+                for p in prompts]
         rep = [repeated_ngrams(p, r.token_ids) for p, r in zip(prompts, runs, strict=True)]
         rows.append({"config": name, "by_prefix": prefix_acceptance(runs, cuts),
                      "answer_tokens": [len(r.token_ids) for r in runs],
@@ -158,7 +159,7 @@ def run_head(engine, prompts, new_tokens, params, expansion, max_nodes, dynamic)
     ``max_nodes``."""
     engine.config.head_expansion, engine.config.head_dynamic = tuple(expansion), dynamic
     return summarize([generate_local(engine, [p], new_tokens, params=params,
-                                     draft_nodes=max_nodes, draft_head=True)[0]
+                                     draft=DraftPlan(("head", "model_free"), max_nodes))[0]
                       for p in prompts])
 
 
@@ -180,7 +181,7 @@ def run_merged(engine, spec_engine, prompts, new_tokens, params, ssm_nodes: int,
                                           for i, h in enumerate(histories)])
 
         runs.append(generate_local(engine, [p], new_tokens, trees=trees, params=params,
-                                   draft_nodes=max_nodes, draft_head=True)[0])
+                                   draft=DraftPlan(("head", "model_free"), max_nodes))[0])
     return summarize(runs)
 
 

@@ -25,9 +25,9 @@ from transformers import DynamicCache
 from services.verifier.engine import EngineConfig
 from services.verifier.executor import ForwardArgs
 from services.verifier.factory import build_engine
+from specinfer.config import add_arguments, from_namespace
 from specinfer.models import DEFAULT_LLM, load_model
-from specinfer.placement import add_flags as add_placement_flags
-from specinfer.placement import from_flags
+from specinfer.placement import PlacementFlags
 from specinfer.tree import TokenTree, TreeBatch
 
 PREFIX = 128
@@ -59,9 +59,9 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,4,8,16,32,64")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--out", default="bench/results/verifier_cost.json")
-    add_placement_flags(ap)
+    add_arguments(ap, PlacementFlags)
     args = ap.parse_args()
-    placement = from_flags(args)
+    placement = from_namespace(PlacementFlags, args).resolve()
     sizes = [int(x) for x in args.sizes.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
 
