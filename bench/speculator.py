@@ -140,8 +140,7 @@ def length_profile(engine, prompts, cuts: list[int], configs) -> list[dict]:
     share."""
     rows = []
     default = EngineConfig()
-    engine.config.head_expansion = default.head_expansion
-    engine.config.head_dynamic = default.head_dynamic
+    set_head_tree(engine, default.head_expansion, default.head_dynamic)
     for name, budget, params, head in configs:
         plan = DraftPlan(("head", "model_free") if head else ("model_free",), budget)
         runs = [generate_local(engine, [p], max(cuts), params=params, draft=plan)[0]
@@ -153,11 +152,18 @@ def length_profile(engine, prompts, cuts: list[int], configs) -> list[dict]:
     return rows
 
 
+def set_head_tree(engine, expansion, dynamic: bool) -> None:
+    """The shape of the engine's draft head trees from now on (if it has a head)."""
+    head = engine.drafts.by_name.get("head")
+    if head is not None:
+        head.expansion, head.dynamic = list(expansion), dynamic
+
+
 def run_head(engine, prompts, new_tokens, params, expansion, max_nodes, dynamic) -> dict:
     """The verifier drafting its own trees: the head's tree (``dynamic``, else the static
     ``expansion``; at most the engine's ``head_nodes``), then model-free drafts, within
     ``max_nodes``."""
-    engine.config.head_expansion, engine.config.head_dynamic = tuple(expansion), dynamic
+    set_head_tree(engine, expansion, dynamic)
     return summarize([generate_local(engine, [p], new_tokens, params=params,
                                      draft=DraftPlan(("head", "model_free"), max_nodes))[0]
                       for p in prompts])
@@ -168,10 +174,9 @@ def run_merged(engine, spec_engine, prompts, new_tokens, params, ssm_nodes: int,
                ssm_only: bool = True) -> dict:
     """The router's "merged" mode: the SSM pool's trees (at most ``ssm_nodes``, of
     ``expansion``; with ``ssm_only``, no model-free drafts from the speculator) sent with
-    each Verify item, merged in the verifier with its head's tree (dynamic for greedy, in
+    each Step item, merged in the verifier with its head's tree (dynamic for greedy, in
     the room left) and model-free drafts, within ``max_nodes``."""
-    engine.config.head_expansion = EngineConfig().head_expansion
-    engine.config.head_dynamic = True
+    set_head_tree(engine, EngineConfig().head_expansion, True)
     runs = []
     for k, p in enumerate(prompts):
         def trees(histories, k=k):
