@@ -1,12 +1,16 @@
-"""Shared fixtures: tiny random Llama models saved as Hugging Face directories, and the
-real default model (loaded once per session)."""
+"""Shared fixtures: tiny random Llama models saved as Hugging Face directories, the
+speculator's datastore for the real default model's tokenizer, and the stacks of
+services (``servers.Stack``) that tests share: ``processes`` for a module's own
+configuration, session-wide ones for configurations several files need."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
+from servers import Stack, service
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -83,3 +87,20 @@ def decoy_tree(truth: list[int], vocab: int, gen: torch.Generator):
                 nxt = child
         node = nxt
     return tree
+
+
+@pytest.fixture(scope="module")
+def processes() -> Iterator[Stack]:
+    """A ``Stack`` that lives as long as the test module: its stack fixtures build on it."""
+    with Stack() as stack:
+        yield stack
+
+
+@pytest.fixture(scope="session")
+def tiny_speculator(tiny_llama) -> Iterator[str]:
+    """A speculator on ``tiny_llama`` (its own SSM; trees of up to 32 nodes, expansion
+    1,2,1 unless a request says otherwise), shared by the files that call a speculator
+    alone; its address."""
+    with service("speculator", "--llm", tiny_llama, "--ssm", tiny_llama, "--max-nodes", "32",
+                 "--expansion", "1,2,1", "--max-context", "512", "--threads", "1") as (addr, _):
+        yield addr

@@ -1,4 +1,5 @@
-"""Start specinfer services as real processes on loopback for tests."""
+"""Start specinfer services as real processes on loopback for tests: the one way a test
+starts a service, ``specinfer up`` or the CLI (``start``, ``service``, ``cli``)."""
 
 from __future__ import annotations
 
@@ -6,47 +7,123 @@ import asyncio
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
 
 from services import stack
 from specinfer.client import AsyncClient
 from specinfer.net import free_port
 
-__all__ = ["failovers", "free_port", "scrape", "service", "sessions_on", "stream_sessions",
-           "wait_serving"]
+__all__ = ["Service", "Stack", "cli", "failovers", "free_port", "http_post", "scrape", "service",
+           "sessions_on", "start", "stream_sessions", "wait_serving"]
 
 
-def wait_serving(addr: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+def _argv(args: tuple[str, ...]) -> list[str]:
+    return [sys.executable, "-m", "services", *args]
+
+
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+def wait_serving(addr: str, proc: subprocess.Popen, timeout: float = 180.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
     """Until ``addr`` reports SERVING; raises if the process exits or time runs out."""
-    if not stack.wait_serving(addr, [proc], timeout):
+    if not stack.wait_serving(addr, [proc], timeout, credentials=credentials):
         if proc.poll() is not None:
             raise RuntimeError(f"service exited with {proc.returncode}")
         raise TimeoutError(f"{addr} not SERVING after {timeout}s")
 
 
+@dataclass
+class Service:
+    """A service process started by ``start``, its port and the address it serves on."""
+
+    port: int
+    addr: str
+    proc: subprocess.Popen
+
+    def wait(self, timeout: float = 240.0,
+             credentials: grpc.ChannelCredentials | None = None) -> Service:
+        """Until it reports SERVING (raises if it exits first or time runs out)."""
+        wait_serving(self.addr, self.proc, timeout, credentials)
+        return self
+
+    def stop(self, grace_s: float = 60.0) -> int:
+        """SIGTERM (SIGKILL after ``grace_s``); its exit code."""
+        stack.stop_processes([self.proc], grace_s)
+        return self.proc.returncode
+
+
+def start(role: str, *args: str, port: int | None = None, host: str = "127.0.0.1",
+          env: dict[str, str] | None = None, **popen: Any) -> Service:
+    """``specinfer serve ROLE ARGS --port PORT`` (``role`` "up": ``specinfer up``), started
+    and not waited for; ``env`` is added to the environment, ``popen`` goes to Popen
+    (stdout, start_new_session, ...). ``port`` defaults to a free one; ``host`` is where it
+    is reached (pass ``--host`` in ``args`` too when it is not loopback)."""
+    port = port or free_port()
+    command = ("up",) if role == "up" else ("serve", role)
+    proc = subprocess.Popen(_argv((*command, *args, "--port", str(port))), env=_env(env),
+                            **popen)
+    return Service(port, f"{host}:{port}", proc)
+
+
 @contextmanager
-def service(*args: str, timeout: float = 180.0, env: dict[str, str] | None = None):
-    """Run ``specinfer serve ...`` (``env``: added to the environment); yields (address,
-    process); SIGTERM on exit."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "services", "serve", *args, "--port", str(port)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    addr = f"127.0.0.1:{port}"
+def service(role: str, *args: str, timeout: float = 240.0, env: dict[str, str] | None = None,
+            **popen: Any) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A ``start``ed service once it is SERVING; yields (address, process); stopped on exit."""
+    running = start(role, *args, env=env, **popen)
     try:
-        wait_serving(addr, proc, timeout)
-        yield addr, proc
+        running.wait(timeout)
+        yield running.addr, running.proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        running.stop()
+
+
+def cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """``specinfer ARGS`` (``serve verifier ...``, ``generate ...``) run to its end, its
+    output captured as text."""
+    return subprocess.run(_argv(args), capture_output=True, text=True, timeout=timeout,
+                          env=_env(None))
+
+
+class Stack:
+    """Services of one configuration as processes: ``start`` each (they load in parallel),
+    ``wait`` for the ones a test calls first; ``stop`` (or leaving the ``with`` block) ends
+    every one still running."""
+
+    def __init__(self) -> None:
+        self.services: list[Service] = []
+
+    def start(self, role: str, *args: str, **kwargs: Any) -> Service:
+        """``start`` (same arguments), stopped with the stack."""
+        running = start(role, *args, **kwargs)
+        self.services.append(running)
+        return running
+
+    def router(self, llm: str, verifiers: list[Service], *args: str,
+               speculators: tuple[Service, ...] = (), **kwargs: Any) -> Service:
+        """A router over ``verifiers`` (and ``speculators``), started and waited for."""
+        peers = [arg for v in verifiers for arg in ("--verifier", v.addr)]
+        peers += [arg for s in speculators for arg in ("--speculator", s.addr)]
+        return self.start("router", "--llm", llm, *peers, *args, **kwargs).wait()
+
+    def stop(self) -> None:
+        stack.stop_processes([s.proc for s in self.services])
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def sessions_on(address: str, others: list[str], n: int) -> list[str]:

@@ -7,19 +7,15 @@ processes on loopback: a router and two verifiers on a tiny random Llama."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
 import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from servers import failovers, free_port, sessions_on, stream_sessions, wait_serving
+from servers import failovers, free_port, sessions_on, stream_sessions
 
-from services.stack import stop_processes
 from specinfer.client import Client
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -29,29 +25,15 @@ MAX_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_chat_llm):
-    exe = [sys.executable, "-m", "services", "serve"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs, verifiers = [], []
-    for _ in range(2):
-        port = free_port()
-        verifiers.append(f"127.0.0.1:{port}")
-        procs.append(subprocess.Popen(exe + [
-            "verifier", "--llm", tiny_chat_llm, "--port", str(port), "--slots", "16",
-            "--max-context", "512", "--threads", "1", "--drain-timeout", "40"], env=env))
-    port, http_port = free_port(), free_port()
-    cmd = exe + ["router", "--llm", tiny_chat_llm, "--port", str(port), "--http-port",
-                 str(http_port), "--speculation", "lookup"]
-    for v in verifiers:
-        cmd += ["--verifier", v]
-    router = subprocess.Popen(cmd, env=env)
-    procs.append(router)
-    try:
-        wait_serving(f"127.0.0.1:{port}", router, timeout=240)
-        yield {"addr": f"127.0.0.1:{port}", "http": f"http://127.0.0.1:{http_port}",
-               "verifiers": verifiers, "procs": procs[:2]}
-    finally:
-        stop_processes(procs)
+def stack(processes, tiny_chat_llm):
+    verifiers = [processes.start("verifier", "--llm", tiny_chat_llm, "--slots", "16",
+                                 "--max-context", "512", "--threads", "1", "--drain-timeout",
+                                 "40") for _ in range(2)]
+    http_port = free_port()
+    router = processes.router(tiny_chat_llm, verifiers, "--http-port", str(http_port),
+                              "--speculation", "lookup")
+    return {"addr": router.addr, "http": f"http://127.0.0.1:{http_port}",
+            "verifiers": [v.addr for v in verifiers], "procs": [v.proc for v in verifiers]}
 
 
 def http_health(base: str) -> tuple[int, int]:

@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import grpc
 import pytest
 from google.protobuf import descriptor, message_factory
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
-from servers import free_port, wait_serving
 
-from services.stack import stop_processes
 from specinfer.client import Client
 from specinfer.v1 import (
     common_pb2,
@@ -54,35 +50,25 @@ METHODS = [(role, m) for role, service in SERVICES.items() for m in service.meth
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_chat_llm):
+def stack(processes, tiny_chat_llm):
     """Router (with its own verifier and the speculator) and a second verifier to fuzz."""
-    exe = [sys.executable, "-m", "services", "serve"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    ports = {k: free_port() for k in ("verifier", "fuzzed", "speculator", "router")}
-    verifier = ["verifier", "--llm", tiny_chat_llm, "--max-context", str(MAX_CONTEXT),
-                "--threads", "1", "--datastore", "none", "--draft-head", "none"]
-    procs = {
-        "verifier": subprocess.Popen(exe + verifier + [
-            "--port", str(ports["verifier"]), "--slots", "8"], env=env),
-        "fuzzed": subprocess.Popen(exe + verifier + [
-            "--port", str(ports["fuzzed"]), "--slots", "4"], env=env),
-        "speculator": subprocess.Popen(exe + [
-            "speculator", "--llm", tiny_chat_llm, "--ssm", f"{tiny_chat_llm}#layers=1",
-            "--port", str(ports["speculator"]), "--max-context", str(MAX_CONTEXT),
-            "--threads", "1", "--datastore", "none"], env=env),
+    verifier = ("--llm", tiny_chat_llm, "--max-context", str(MAX_CONTEXT), "--threads", "1",
+                "--datastore", "none", "--draft-head", "none")
+    services = {
+        "verifier": processes.start("verifier", *verifier, "--slots", "8"),
+        "fuzzed": processes.start("verifier", *verifier, "--slots", "4"),
+        "speculator": processes.start("speculator", "--llm", tiny_chat_llm, "--ssm",
+                                      f"{tiny_chat_llm}#layers=1", "--max-context",
+                                      str(MAX_CONTEXT), "--threads", "1", "--datastore",
+                                      "none"),
     }
-    procs["router"] = subprocess.Popen(exe + [
-        "router", "--llm", tiny_chat_llm, "--port", str(ports["router"]), "--http-port", "0",
-        "--verifier", f"127.0.0.1:{ports['verifier']}",
-        "--speculator", f"127.0.0.1:{ports['speculator']}", "--speculation", "always",
-        "--spec-max-batch", "64"], env=env)
-    addrs = {k: f"127.0.0.1:{p}" for k, p in ports.items()}
-    try:
-        for name in ("fuzzed", "speculator", "router"):
-            wait_serving(addrs[name], procs[name], timeout=240)
-        yield {"addrs": addrs, "procs": procs}
-    finally:
-        stop_processes(list(procs.values()))
+    services["router"] = processes.router(
+        tiny_chat_llm, [services["verifier"]], "--http-port", "0", "--speculation", "always",
+        "--spec-max-batch", "64", speculators=(services["speculator"],))
+    for name in ("fuzzed", "speculator"):
+        services[name].wait()
+    return {"addrs": {k: s.addr for k, s in services.items()},
+            "procs": {k: s.proc for k, s in services.items()}}
 
 
 # --- random messages from descriptors -------------------------------------------------

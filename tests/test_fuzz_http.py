@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import requests
@@ -21,9 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi import checks as openapi_checks
-from servers import free_port, wait_serving
-
-from services.stack import stop_processes
+from servers import free_port
 
 EXAMPLES = int(os.environ.get("SPECINFER_FUZZ_EXAMPLES", "50"))
 KEY = "fuzz-key"
@@ -36,24 +32,17 @@ OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_chat_llm):
+def stack(processes, tiny_chat_llm):
     """A verifier and a router (its HTTP API with an API key) as separate processes."""
-    exe = [sys.executable, "-m", "services", "serve"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    vport, port, http = free_port(), free_port(), free_port()
-    procs = [subprocess.Popen(exe + [
-        "verifier", "--llm", tiny_chat_llm, "--port", str(vport), "--slots", "8",
-        "--max-context", str(MAX_CONTEXT), "--threads", "1", "--datastore", "none",
-        "--draft-head", "none"], env=env)]
-    procs.append(subprocess.Popen(exe + [
-        "router", "--llm", tiny_chat_llm, "--port", str(port), "--http-port", str(http),
-        "--verifier", f"127.0.0.1:{vport}", "--api-key", KEY,
-        "--max-body-bytes", str(MAX_BODY), "--max-prompts", "4"], env=env))
-    try:
-        wait_serving(f"127.0.0.1:{port}", procs[-1], timeout=240)
-        yield {"url": f"http://127.0.0.1:{http}", "procs": procs, "model": tiny_chat_llm}
-    finally:
-        stop_processes(procs)
+    verifier = processes.start("verifier", "--llm", tiny_chat_llm, "--slots", "8",
+                               "--max-context", str(MAX_CONTEXT), "--threads", "1",
+                               "--datastore", "none", "--draft-head", "none")
+    http = free_port()
+    router = processes.router(tiny_chat_llm, [verifier], "--http-port", str(http),
+                              "--api-key", KEY, "--max-body-bytes", str(MAX_BODY),
+                              "--max-prompts", "4")
+    return {"url": f"http://127.0.0.1:{http}", "procs": [verifier.proc, router.proc],
+            "model": tiny_chat_llm}
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,22 @@ HTTP (open watches see it) or behind the watch's back (``kmock.objects``)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 from kube_api import RES, Api, endpoint_slice, gone_once, is_watch, write_kubeconfig
-from servers import failovers, free_port, scrape, sessions_on, stream_sessions, wait_serving
+from servers import (
+    Stack,
+    failovers,
+    free_port,
+    scrape,
+    sessions_on,
+    stream_sessions,
+    wait_serving,
+)
 
-from services.stack import stop_processes
 from specinfer.client import AsyncClient
 
 SERVICE = "specinfer-verifier"
@@ -82,19 +86,16 @@ def ready(*hosts: str) -> list[dict]:
 async def test_router_follows_endpointslices(kmock, tiny_chat_llm, tmp_path):
     kmock.resources[RES] = {}
     api = Api(kmock.url)
-    exe = [sys.executable, "-m", "services", "serve"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    stack = Stack()
     port = free_port()
     v0, v1, v2 = (f"{h}:{port}" for h in HOSTS)
     metrics_ports = [free_port() for _ in HOSTS]
     pairs = list(zip(HOSTS, metrics_ports, strict=True))
     metrics = {f"{h}:{port}": f"http://{h}:{m}/metrics" for h, m in pairs}
-    verifiers = {f"{h}:{port}": subprocess.Popen(exe + [
-        "verifier", "--llm", tiny_chat_llm, "--host", h, "--port", str(port),
-        "--metrics-port", str(m), "--slots", "16", "--max-context", "512", "--threads", "1",
-        "--datastore", "none"],
-        env=env) for h, m in pairs}
-    router = None
+    verifiers = {f"{h}:{port}": stack.start(
+        "verifier", "--llm", tiny_chat_llm, "--host", h, "--metrics-port", str(m), "--slots",
+        "16", "--max-context", "512", "--threads", "1", "--datastore", "none", port=port,
+        host=h).proc for h, m in pairs}
     try:
         await asyncio.gather(*(asyncio.to_thread(wait_serving, a, p, 240)
                                for a, p in verifiers.items()))
@@ -102,15 +103,14 @@ async def test_router_follows_endpointslices(kmock, tiny_chat_llm, tmp_path):
         # are not ready yet; v2 is not in it.
         await api.create(endpoint_slice("verifier-a", SERVICE, [
             (HOSTS[0], False, None), (HOSTS[1], False, None)], ports=[("grpc", port)]))
-        rport, http_port = free_port(), free_port()
-        raddr, http = f"127.0.0.1:{rport}", f"http://127.0.0.1:{http_port}"
-        router = subprocess.Popen(exe + [
-            "router", "--llm", tiny_chat_llm, "--port", str(rport), "--http-port",
-            str(http_port), "--speculation", "lookup", "--discovery", "kubernetes",
-            "--verifier", SERVICE, "--kube-namespace", "default",
-            "--discovery-interval", "0.5"],
-            env={**env, "KUBECONFIG": str(write_kubeconfig(tmp_path / "kubeconfig",
-                                                           kmock.url))})
+        http_port = free_port()
+        http = f"http://127.0.0.1:{http_port}"
+        routing = stack.start(
+            "router", "--llm", tiny_chat_llm, "--http-port", str(http_port), "--speculation",
+            "lookup", "--discovery", "kubernetes", "--verifier", SERVICE, "--kube-namespace",
+            "default", "--discovery-interval", "0.5",
+            env={"KUBECONFIG": str(write_kubeconfig(tmp_path / "kubeconfig", kmock.url))})
+        raddr, router = routing.addr, routing.proc
         # 0. Scale from zero: the router serves with no verifier, queues a request (what
         # num_requests_waiting shows an autoscaler), and runs it once v0 turns ready.
         await asyncio.to_thread(wait_serving, raddr, router, 240)
@@ -196,4 +196,4 @@ async def test_router_follows_endpointslices(kmock, tiny_chat_llm, tmp_path):
         assert router.poll() is None
     finally:
         await api.session.close()
-        stop_processes([p for p in [router, *verifiers.values()] if p is not None])
+        stack.stop()

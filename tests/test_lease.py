@@ -7,10 +7,8 @@ timeout is turned away with RESOURCE_EXHAUSTED / HTTP 429 and Retry-After."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -18,7 +16,7 @@ import urllib.request
 
 import grpc
 import pytest
-from servers import free_port, service, wait_serving
+from servers import free_port, service, start
 
 from services.stack import stop_processes
 from specinfer.client import Client, OverloadedError
@@ -38,13 +36,10 @@ def verifier(tiny_chat_llm, smollm2_datastore):
 
 
 def start_router(llm: str, verifier: str, *extra: str) -> tuple[str, int, subprocess.Popen]:
-    port, http = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services", "serve", "router", "--llm", llm,
-                             "--verifier", verifier, "--port", str(port), "--http-port",
-                             str(http), "--speculation", "lookup", *extra],
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    wait_serving(f"127.0.0.1:{port}", proc, timeout=120)
-    return f"127.0.0.1:{port}", http, proc
+    http = free_port()
+    router = start("router", "--llm", llm, "--verifier", verifier, "--http-port", str(http),
+                   "--speculation", "lookup", *extra).wait(timeout=120)
+    return router.addr, http, router.proc
 
 
 def live(stub) -> int:

@@ -6,21 +6,17 @@ Grafana dashboard checked against what the services export."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
-import subprocess
-import sys
 import threading
 import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from servers import free_port, wait_serving
+from servers import free_port
 
 from bench.otlp_receiver import OtlpReceiver, poll
-from services.stack import stop_processes
 from specinfer.client import Client
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,41 +31,27 @@ def receiver():
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_chat_llm, receiver):
+def stack(receiver, processes, tiny_chat_llm):
     """Verifier, speculator and router, each exporting traces to ``receiver`` and serving
     metrics (the router's on its HTTP port)."""
-    exe = [sys.executable, "-m", "services", "serve"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    tracing = ["--otlp-traces-endpoint", receiver.endpoint]
-    ports = {k: free_port() for k in ("verifier", "verifier_metrics", "speculator",
-                                      "speculator_metrics", "router", "http")}
-    procs = [
-        subprocess.Popen(exe + ["verifier", "--llm", tiny_chat_llm, "--port",
-                                str(ports["verifier"]), "--metrics-port",
-                                str(ports["verifier_metrics"]), "--slots", "8",
-                                "--max-context", "512", "--threads", "1", "--datastore",
-                                "none", *tracing], env=env),
-        subprocess.Popen(exe + ["speculator", "--llm", tiny_chat_llm, "--ssm",
-                                f"{tiny_chat_llm}#layers=1", "--port", str(ports["speculator"]),
-                                "--metrics-port", str(ports["speculator_metrics"]),
-                                "--max-context", "512", "--threads", "1", "--datastore",
-                                "none", *tracing], env=env),
-    ]
-    router = subprocess.Popen(exe + [
-        "router", "--llm", tiny_chat_llm, "--port", str(ports["router"]), "--http-port",
-        str(ports["http"]), "--verifier", f"127.0.0.1:{ports['verifier']}", "--speculator",
-        f"127.0.0.1:{ports['speculator']}", "--speculation", "always", "--spec-max-batch",
-        "64", *tracing], env=env)
-    procs.append(router)
-    try:
-        wait_serving(f"127.0.0.1:{ports['router']}", router, timeout=240)
-        yield {"addr": f"127.0.0.1:{ports['router']}",
-               "http": f"http://127.0.0.1:{ports['http']}",
-               "verifier_metrics": f"http://127.0.0.1:{ports['verifier_metrics']}/metrics",
-               "speculator_metrics": f"http://127.0.0.1:{ports['speculator_metrics']}/metrics",
-               "model": tiny_chat_llm}
-    finally:
-        stop_processes(procs)
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+    tracing = ("--otlp-traces-endpoint", receiver.endpoint)
+    ports = {k: free_port() for k in ("verifier_metrics", "speculator_metrics", "http")}
+    verifier = processes.start("verifier", "--llm", tiny_chat_llm, "--metrics-port",
+                               str(ports["verifier_metrics"]), "--slots", "8", "--max-context",
+                               "512", "--threads", "1", "--datastore", "none", *tracing,
+                               env=env)
+    speculator = processes.start("speculator", "--llm", tiny_chat_llm, "--ssm",
+                                 f"{tiny_chat_llm}#layers=1", "--metrics-port",
+                                 str(ports["speculator_metrics"]), "--max-context", "512",
+                                 "--threads", "1", "--datastore", "none", *tracing, env=env)
+    router = processes.router(tiny_chat_llm, [verifier], "--http-port", str(ports["http"]),
+                              "--speculation", "always", "--spec-max-batch", "64", *tracing,
+                              speculators=(speculator,), env=env)
+    return {"addr": router.addr, "http": f"http://127.0.0.1:{ports['http']}",
+            "verifier_metrics": f"http://127.0.0.1:{ports['verifier_metrics']}/metrics",
+            "speculator_metrics": f"http://127.0.0.1:{ports['speculator_metrics']}/metrics",
+            "model": tiny_chat_llm}
 
 
 def _traceparent() -> tuple[str, str, str]:

@@ -7,36 +7,24 @@ chat content parts, batched prompts, and vLLM's ignore_eos, stop_token_ids and m
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import grpc
 import pytest
-from servers import free_port, http_post, wait_serving
+from servers import free_port, http_post
 
-from services.stack import stop_processes
 from specinfer.client import Client, NotFoundError
 from specinfer.models import DEFAULT_LLM, load_tokenizer
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_chat_llm):
-    exe = [sys.executable, "-m", "services", "serve"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    vport, port, http_port = free_port(), free_port(), free_port()
-    procs = [subprocess.Popen(exe + ["verifier", "--llm", tiny_chat_llm, "--port", str(vport),
-                                     "--slots", "16", "--max-context", "512", "--threads",
-                                     "1", "--datastore", "none", "--draft-head", "none"],
-                              env=env)]
-    procs.append(subprocess.Popen(exe + [
-        "router", "--llm", tiny_chat_llm, "--port", str(port), "--http-port", str(http_port),
-        "--verifier", f"127.0.0.1:{vport}", "--speculation", "lookup"], env=env))
-    try:
-        wait_serving(f"127.0.0.1:{port}", procs[-1], timeout=240)
-        yield {"addr": f"127.0.0.1:{port}", "http": f"http://127.0.0.1:{http_port}"}
-    finally:
-        stop_processes(procs)
+def stack(processes, tiny_chat_llm):
+    verifier = processes.start("verifier", "--llm", tiny_chat_llm, "--slots", "16",
+                               "--max-context", "512", "--threads", "1", "--datastore", "none",
+                               "--draft-head", "none")
+    http_port = free_port()
+    router = processes.router(tiny_chat_llm, [verifier], "--http-port", str(http_port),
+                              "--speculation", "lookup")
+    return {"addr": router.addr, "http": f"http://127.0.0.1:{http_port}"}
 
 
 @pytest.mark.parametrize("body,param", [

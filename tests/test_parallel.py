@@ -4,12 +4,11 @@ the pipeline stages started as separate commands; a lost stage fails fast."""
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
 import pytest
+import servers
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers import free_port, service
@@ -85,8 +84,8 @@ def test_stages_started_as_separate_commands(tiny_llama, reference):
     meet = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
     layout = ["--llm", tiny_llama, "--tp", "2", "--pp", "2", "--rank-timeout", "10",
               "--datastore", "none", "--draft-head", "none"]
-    stage1 = subprocess.Popen([sys.executable, "-m", "services", "serve", "verifier", *layout],
-                              env={**os.environ, **meet, "RANK": "1"}, start_new_session=True)
+    stage1 = servers.start("verifier", *layout, env={**meet, "RANK": "1"},
+                           start_new_session=True).proc
     try:
         with service("verifier", *layout, "--slots", "4", "--max-context", "128",
                      env={**meet, "RANK": "0"}) as (addr, _):

@@ -240,30 +240,17 @@ def test_the_stack_in_other_formats_speculates_exactly(tiny_chat_llm, fmt):
     """`specinfer up` passes the format to every model process: through the router, greedy
     output with speculation (SSM trees, forced) equals it without, and responses report
     the format."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from servers import free_port, wait_serving
+    from servers import service
 
     from specinfer.client import Client
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services", "up", "--llm", tiny_chat_llm,
-                             "--ssm", f"{tiny_chat_llm}#layers=1", "--port", str(port),
-                             "--http-port", "0", "--max-context", "256", "--datastore", "none",
-                             "--draft-head", "none", "--speculation", "always", *fmt],
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        wait_serving(f"127.0.0.1:{port}", proc, timeout=240)
-        with Client(f"127.0.0.1:{port}") as c:
-            for prompt in ("The quick brown fox", "1, 2, 3, 4,"):
-                off = c.generate(prompt, max_tokens=20, speculation=False)
-                on = c.generate(prompt, max_tokens=20)
-                assert on.token_ids == off.token_ids
-                assert on.stats.speculative_steps > 0
-                assert on.dtype == ("bfloat16" if "bfloat16" in fmt else "int8-bfloat16")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+    with service("up", "--llm", tiny_chat_llm, "--ssm", f"{tiny_chat_llm}#layers=1",
+                 "--http-port", "0", "--max-context", "256", "--datastore", "none",
+                 "--draft-head", "none", "--speculation", "always", *fmt) as (addr, _), \
+            Client(addr) as c:
+        for prompt in ("The quick brown fox", "1, 2, 3, 4,"):
+            off = c.generate(prompt, max_tokens=20, speculation=False)
+            on = c.generate(prompt, max_tokens=20)
+            assert on.token_ids == off.token_ids
+            assert on.stats.speculative_steps > 0
+            assert on.dtype == ("bfloat16" if "bfloat16" in fmt else "int8-bfloat16")

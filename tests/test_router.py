@@ -11,44 +11,34 @@ import subprocess
 import sys
 
 import pytest
-from servers import free_port, http_post, scrape, service, wait_serving
+from servers import free_port, http_post, scrape, service
 
-from services.stack import stop_processes
 from specinfer.client import AsyncClient, Client, InvalidRequestError
+
+ROUTER = ("--spec-max-batch", "64")  # every batch speculates
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_chat_llm, smollm2_datastore):
-    """Verifiers and a speculator as `specinfer serve ...` processes, and the router."""
-    procs, verifiers = [], []
-    exe = [sys.executable, "-m", "services", "serve"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for _ in range(2):
-        port = free_port()
-        verifiers.append(f"127.0.0.1:{port}")
-        procs.append(subprocess.Popen(exe + ["verifier", "--llm", tiny_chat_llm, "--port",
-                                             str(port), "--slots", "24", "--max-context",
-                                             "512", "--threads", "1"], env=env))
-    spec_port = free_port()
-    spec = subprocess.Popen(exe + ["speculator", "--llm", tiny_chat_llm, "--ssm",
-                                   f"{tiny_chat_llm}#layers=1", "--port", str(spec_port),
-                                   "--max-context", "512", "--threads", "1"], env=env)
-    procs.append(spec)
-    port, http_port = free_port(), free_port()
-    cmd = exe + ["router", "--llm", tiny_chat_llm, "--port", str(port), "--http-port",
-                 str(http_port), "--speculator", f"127.0.0.1:{spec_port}",
-                 "--spec-max-batch", "64", "--speculation", "always"]
-    for v in verifiers:
-        cmd += ["--verifier", v]
-    router = subprocess.Popen(cmd, env=env)
-    procs.append(router)
-    try:
-        wait_serving(f"127.0.0.1:{port}", router, timeout=240)
-        yield {"addr": f"127.0.0.1:{port}", "http": f"http://127.0.0.1:{http_port}",
-               "verifiers": procs[:2], "speculator": spec, "router": router,
-               "router_cmd": cmd}
-    finally:
-        stop_processes(procs)
+def stack(processes, tiny_chat_llm, smollm2_datastore):
+    """Two verifiers and a speculator as `specinfer serve ...` processes, and the router."""
+    verifiers = [processes.start("verifier", "--llm", tiny_chat_llm, "--slots", "24",
+                                 "--max-context", "512", "--threads", "1") for _ in range(2)]
+    speculator = processes.start("speculator", "--llm", tiny_chat_llm, "--ssm",
+                                 f"{tiny_chat_llm}#layers=1", "--max-context", "512",
+                                 "--threads", "1")
+    http_port = free_port()
+    router = processes.router(tiny_chat_llm, verifiers, *ROUTER, "--http-port", str(http_port),
+                              "--speculation", "always", speculators=(speculator,))
+    return {"addr": router.addr, "http": f"http://127.0.0.1:{http_port}",
+            "verifiers": verifiers, "speculator": speculator}
+
+
+def other_router(stack, llm: str, *args: str, speculator: bool = True):
+    """``service`` of a second router over the stack's verifiers (and its speculator)."""
+    peers = [arg for v in stack["verifiers"] for arg in ("--verifier", v.addr)]
+    if speculator:
+        peers += ["--speculator", stack["speculator"].addr]
+    return service("router", "--llm", llm, *peers, *ROUTER, "--http-port", "0", *args)
 
 
 @pytest.fixture(scope="module")
@@ -220,75 +210,62 @@ def test_sixteen_concurrent_streams(stack, reference):
         assert ids == reference[prompt]
 
 
-def test_overlapped_micro_batches_keep_greedy_output(stack, reference):
+def test_overlapped_micro_batches_keep_greedy_output(stack, reference, tiny_chat_llm):
     """A second router over the same services in overlap mode: drafting for one micro-batch
     while the other is verified (and reusing the trees drafted ahead) changes no token."""
-    port = free_port()
-    cmd = [*stack["router_cmd"], "--speculation", "overlap", "--port", str(port),
-           "--http-port", "0"]
-    router = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        wait_serving(f"127.0.0.1:{port}", router, timeout=120)
-
+    with other_router(stack, tiny_chat_llm, "--speculation", "overlap") as (router, _):
         async def one(client, prompt):
             return prompt, await client.generate(prompt, max_tokens=24)
 
         async def main():
-            async with AsyncClient(f"127.0.0.1:{port}") as client:
+            async with AsyncClient(router) as client:
                 return await asyncio.gather(*(one(client, PROMPTS[i % 4]) for i in range(6)))
 
         results = asyncio.run(main())
-        for prompt, out in results:
-            assert out.token_ids == reference[prompt]
-        assert sum(out.stats.speculative_steps for _, out in results) > 0
-        assert any(a > 1 for _, out in results for a in out.accepted_per_step)
-    finally:
-        stop_processes([router])
+    for prompt, out in results:
+        assert out.token_ids == reference[prompt]
+    assert sum(out.stats.speculative_steps for _, out in results) > 0
+    assert any(a > 1 for _, out in results for a in out.accepted_per_step)
 
 
-def test_adaptive_speculation_drafts_in_the_verifier_without_a_speculator(stack, reference):
+def test_adaptive_speculation_drafts_in_the_verifier_without_a_speculator(stack, reference,
+                                                                          tiny_chat_llm):
     """A router with no speculator still speculates: in the adaptive lookup modes the
     verifier drafts model-free trees from the history it holds. Greedy output unchanged."""
-    cmd = list(stack["router_cmd"])
-    i = cmd.index("--speculator")
-    del cmd[i : i + 2]
-    port = free_port()
-    cmd += ["--speculation", "adaptive", "--port", str(port), "--http-port", "0"]
-    router = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        wait_serving(f"127.0.0.1:{port}", router, timeout=120)
-        with Client(f"127.0.0.1:{port}") as client:
-            outs = {p: client.generate(p, max_tokens=24) for p in PROMPTS}
-        for prompt, out in outs.items():
-            assert out.token_ids == reference[prompt]
-        assert sum(out.stats.speculative_steps for out in outs.values()) > 0
-        assert any(a > 1 for out in outs.values() for a in out.accepted_per_step)
-    finally:
-        stop_processes([router])
+    with other_router(stack, tiny_chat_llm, "--speculation", "adaptive",
+                      speculator=False) as (router, _), Client(router) as client:
+        outs = {p: client.generate(p, max_tokens=24) for p in PROMPTS}
+    for prompt, out in outs.items():
+        assert out.token_ids == reference[prompt]
+    assert sum(out.stats.speculative_steps for out in outs.values()) > 0
+    assert any(a > 1 for out in outs.values() for a in out.accepted_per_step)
 
 
-@pytest.mark.parametrize("mode", ["head", "merged"])
-def test_head_and_merged_modes_draft_with_the_verifiers_draft_head(stack, reference,
-                                                                  tiny_chat_llm, tmp_path,
-                                                                  mode):
-    """A verifier with a draft head (--draft-head) and a router in "head" mode: the
-    verifier drafts each step's tree with its head and verifies it; no speculator. In
-    "merged" mode the speculator's SSM trees (over its stream) are merged into it, at batch
-    1 drafted before the step, at batch 2 while the other micro-batch is verified
-    ("merged-overlap"). Greedy output unchanged, one request at a time and together."""
+@pytest.fixture(scope="module")
+def head_verifier(processes, tiny_chat_llm, tmp_path_factory) -> str:
+    """A verifier with a draft head (random, over the LLM's first 4096 tokens)."""
     import torch
 
     from specinfer.drafting.head import DraftHead
     from specinfer.models import load_model
     from specinfer.training.head import save_head
 
-    save_head(DraftHead(load_model(tiny_chat_llm), torch.arange(0, 4096)), tmp_path / "head",
+    head = tmp_path_factory.mktemp("head") / "head"
+    save_head(DraftHead(load_model(tiny_chat_llm), torch.arange(0, 4096)), head,
               tiny_chat_llm, {})
-    verifier = ("verifier", "--llm", tiny_chat_llm, "--draft-head", str(tmp_path / "head"),
-                "--slots", "4", "--max-context", "512", "--threads", "1")
-    cmd = stack["router_cmd"]
-    speculator = ("--speculator", cmd[cmd.index("--speculator") + 1]) if mode == "merged" \
-        else ()
+    return processes.start("verifier", "--llm", tiny_chat_llm, "--draft-head", str(head),
+                           "--slots", "4", "--max-context", "512", "--threads", "1").wait().addr
+
+
+def test_head_and_merged_modes_draft_with_the_verifiers_draft_head(stack, reference,
+                                                                  tiny_chat_llm,
+                                                                  head_verifier, mode):
+    """A verifier with a draft head (--draft-head) and a router in "head" mode: the
+    verifier drafts each step's tree with its head and verifies it; no speculator. In
+    "merged" mode the speculator's SSM trees (over its stream) are merged into it, at batch
+    1 drafted before the step, at batch 2 while the other micro-batch is verified
+    ("merged-overlap"). Greedy output unchanged, one request at a time and together."""
+    speculator = ("--speculator", stack["speculator"].addr) if mode == "merged" else ()
     http_port = free_port()
 
     async def in_pairs() -> list:  # batches of 2: the router speculates up to 2 (default)
@@ -296,9 +273,8 @@ def test_head_and_merged_modes_draft_with_the_verifiers_draft_head(stack, refere
             return [out for i in range(0, len(PROMPTS), 2) for out in await asyncio.gather(
                 *(client.generate(p, max_tokens=24) for p in PROMPTS[i:i + 2]))]
 
-    with service(*verifier) as (addr, _), \
-            service("router", "--llm", tiny_chat_llm, "--verifier", addr, *speculator,
-                    "--speculation", mode, "--http-port", str(http_port)) as (router, _), \
+    with service("router", "--llm", tiny_chat_llm, "--verifier", head_verifier, *speculator,
+                 "--speculation", mode, "--http-port", str(http_port)) as (router, _), \
             Client(router) as client:
         outs = {p: client.generate(p, max_tokens=24) for p in PROMPTS}
         batched = dict(zip(PROMPTS, asyncio.run(in_pairs()), strict=True))
@@ -347,9 +323,9 @@ def test_killing_the_speculator_then_a_verifier_loses_nothing(stack, reference):
         async with AsyncClient(stack["addr"]) as client:
             tasks = [asyncio.create_task(one(client, PROMPTS[i % 4])) for i in range(8)]
             await asyncio.sleep(1.0)
-            stack["speculator"].kill()
+            stack["speculator"].proc.kill()
             await asyncio.sleep(1.0)
-            stack["verifiers"][0].kill()
+            stack["verifiers"][0].proc.kill()
             return await asyncio.gather(*tasks)
 
     for prompt, ids in asyncio.run(main()):

@@ -3,14 +3,8 @@ UNAVAILABLE and a message until a verifier answers, then serves."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-from servers import free_port
-
-from services.stack import stop_processes
+from servers import Stack, free_port
 
 
 def test_every_rpc_is_unavailable_until_the_verifiers_answer(tiny_chat_llm):
@@ -25,14 +19,11 @@ def test_every_rpc_is_unavailable_until_the_verifiers_answer(tiny_chat_llm):
     from specinfer.client import build_request
     from specinfer.v1 import router_pb2_grpc
 
-    verifier_port, port = free_port(), free_port()
-    exe = [sys.executable, "-m", "services", "serve"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    router = subprocess.Popen(exe + ["router", "--llm", tiny_chat_llm, "--port", str(port),
-                                     "--http-port", "0", "--verifier",
-                                     f"127.0.0.1:{verifier_port}"], env=env)
-    procs = [router]
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    verifier_port = free_port()
+    stack = Stack()
+    router = stack.start("router", "--llm", tiny_chat_llm, "--http-port", "0", "--verifier",
+                         f"127.0.0.1:{verifier_port}")
+    channel = grpc.insecure_channel(router.addr)
     stub, health = router_pb2_grpc.RouterStub(channel), health_pb2_grpc.HealthStub(channel)
     request = build_request("The quick brown fox", max_tokens=4)
     calls = {"Generate": lambda: stub.Generate(request, timeout=5),
@@ -49,9 +40,8 @@ def test_every_rpc_is_unavailable_until_the_verifiers_answer(tiny_chat_llm):
             time.sleep(0.05)
         assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
             health_pb2.HealthCheckResponse.NOT_SERVING
-        procs.append(subprocess.Popen(exe + [
-            "verifier", "--llm", tiny_chat_llm, "--port", str(verifier_port), "--slots", "2",
-            "--max-context", "64", "--datastore", "none", "--draft-head", "none"], env=env))
+        stack.start("verifier", "--llm", tiny_chat_llm, "--slots", "2", "--max-context", "64",
+                    "--datastore", "none", "--draft-head", "none", port=verifier_port)
         while True:  # until the verifier has loaded and the router has found it
             try:
                 out = stub.Generate(request, timeout=5)
@@ -68,4 +58,4 @@ def test_every_rpc_is_unavailable_until_the_verifiers_answer(tiny_chat_llm):
             assert any("starting" in details for _, details in answers), answers
     finally:
         channel.close()
-        stop_processes(procs)
+        stack.stop()

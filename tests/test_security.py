@@ -6,10 +6,7 @@ keys, and tight limits to probe just under and just over each one."""
 from __future__ import annotations
 
 import json
-import os
 import ssl
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -18,11 +15,10 @@ import grpc
 import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from servers import free_port
+from servers import free_port, start
 
 from services.router.auth import ApiKeys
 from services.router.limits import KeyStreams
-from services.stack import stop_processes
 from specinfer.client import AuthenticationError, Client, InvalidRequestError, OverloadedError
 from specinfer.errors import ResourceExhausted, Unauthenticated
 from specinfer.v1 import speculator_pb2, speculator_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -52,58 +48,29 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def _wait_tls(addr: str, ca: bytes, proc: subprocess.Popen, timeout: float = 240) -> None:
-    channel = grpc.secure_channel(addr, grpc.ssl_channel_credentials(ca))
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"exited with {proc.returncode}"
-        try:
-            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                    health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(addr)
-
-
 @pytest.fixture(scope="module")
-def stack(tiny_chat_llm, pki, tmp_path_factory):
-    exe = [sys.executable, "-m", "services", "serve"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    mtls = ["--tls-cert", pki["cert"], "--tls-key", pki["key"], "--tls-ca", pki["ca"]]
-    ports = {k: free_port() for k in ("verifier", "speculator", "router", "http")}
+def stack(processes, tiny_chat_llm, pki, tmp_path_factory):
+    mtls = ("--tls-cert", pki["cert"], "--tls-key", pki["key"], "--tls-ca", pki["ca"])
+    http = free_port()
     log = tmp_path_factory.mktemp("logs") / "router.log"
-    procs = [
-        subprocess.Popen(exe + ["verifier", "--llm", tiny_chat_llm, "--port",
-                                str(ports["verifier"]), "--slots", "8", "--max-context", "512",
-                                "--threads", "1", "--datastore", "none", *mtls], env=env),
-        subprocess.Popen(exe + ["speculator", "--llm", tiny_chat_llm, "--ssm",
-                                f"{tiny_chat_llm}#layers=1", "--port", str(ports["speculator"]),
-                                "--max-context", "512", "--threads", "1", "--datastore", "none",
-                                *mtls], env=env),
-    ]
+    verifier = processes.start("verifier", "--llm", tiny_chat_llm, "--slots", "8",
+                               "--max-context", "512", "--threads", "1", "--datastore", "none",
+                               *mtls)
+    speculator = processes.start("speculator", "--llm", tiny_chat_llm, "--ssm",
+                                 f"{tiny_chat_llm}#layers=1", "--max-context", "512",
+                                 "--threads", "1", "--datastore", "none", *mtls)
     with open(log, "w") as log_file:
-        router = subprocess.Popen(exe + [
-            "router", "--llm", tiny_chat_llm, "--port", str(ports["router"]), "--http-port",
-            str(ports["http"]), "--verifier", f"127.0.0.1:{ports['verifier']}",
-            "--speculator", f"127.0.0.1:{ports['speculator']}", "--speculation", "always",
+        router = processes.start(
+            "router", "--llm", tiny_chat_llm, "--http-port", str(http), "--verifier",
+            verifier.addr, "--speculator", speculator.addr, "--speculation", "always",
             "--spec-max-batch", "64", *mtls, "--api-key", KEYS[0], "--api-key", KEYS[1],
             "--max-n", "3", "--max-streams-per-key", "2", "--max-stop-strings", "2",
             "--max-stop-chars", "8", "--max-prompt-tokens", "64", "--max-tokens", "32",
-            "--max-logprobs", "3", "--max-body-bytes", "4096"],
-            env={**env, "SPECINFER_API_KEY": ENV_KEY}, stderr=log_file)
-    procs.append(router)
-    ca = _read(pki["ca"])
-    try:
-        _wait_tls(f"127.0.0.1:{ports['router']}", ca, router)
-        yield {"addr": f"127.0.0.1:{ports['router']}",
-               "https": f"https://127.0.0.1:{ports['http']}",
-               "verifier": f"127.0.0.1:{ports['verifier']}",
-               "speculator": f"127.0.0.1:{ports['speculator']}", "log": log, **pki}
-    finally:
-        stop_processes(procs)
+            "--max-logprobs", "3", "--max-body-bytes", "4096",
+            env={"SPECINFER_API_KEY": ENV_KEY}, stderr=log_file)
+    router.wait(credentials=grpc.ssl_channel_credentials(_read(pki["ca"])))
+    return {"addr": router.addr, "https": f"https://127.0.0.1:{http}",
+            "verifier": verifier.addr, "speculator": speculator.addr, "log": log, **pki}
 
 
 def _client(stack, key: str | None = KEYS[0]) -> Client:
@@ -325,43 +292,38 @@ def test_key_streams_count_and_free():
 def test_up_with_tls_and_a_key(tiny_chat_llm, tmp_path):
     """`specinfer up --tls --api-key K`: a throw-away CA, TLS on the public API, mutual TLS
     inside; the key reaches the router in its environment, not on any command line."""
-    import signal
-
     from services.stack import service_processes
 
-    port, http = free_port(), free_port()
+    http = free_port()
     key = "sk-up-test-4242"
     out = tmp_path / "up.out"
     with open(out, "w") as stdout:
-        up = subprocess.Popen([sys.executable, "-m", "services", "up", "--llm", tiny_chat_llm,
-                               "--ssm", f"{tiny_chat_llm}#layers=1", "--datastore", "none",
-                               "--draft-head", "none", "--slots", "4", "--max-context", "512",
-                               "--port", str(port), "--http-port", str(http), "--tls",
-                               "--api-key", key, "--speculation", "always"],
-                              stdout=stdout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        up = start("up", "--llm", tiny_chat_llm, "--ssm", f"{tiny_chat_llm}#layers=1",
+                   "--datastore", "none", "--draft-head", "none", "--slots", "4",
+                   "--max-context", "512", "--http-port", str(http), "--tls", "--api-key", key,
+                   "--speculation", "always", stdout=stdout)
     try:
         deadline = time.monotonic() + 240
         while "specinfer is serving" not in out.read_text():
-            assert up.poll() is None and time.monotonic() < deadline, out.read_text()
+            assert up.proc.poll() is None and time.monotonic() < deadline, out.read_text()
             time.sleep(0.5)
         line = out.read_text()
         assert "https://" in line
         ca = line.split("TLS CA ")[1].split()[0]
-        with Client(f"127.0.0.1:{port}", tls_ca=ca, api_key=key, retries=0) as c:
+        with Client(up.addr, tls_ca=ca, api_key=key, retries=0) as c:
             spec = c.generate("The quick brown fox", max_tokens=12)
             plain = c.generate("The quick brown fox", max_tokens=12, speculation=False)
         assert spec.token_ids == plain.token_ids and spec.stats.speculative_steps > 0
-        with Client(f"127.0.0.1:{port}", tls_ca=ca, api_key="", retries=0) as c, \
+        with Client(up.addr, tls_ca=ca, api_key="", retries=0) as c, \
                 pytest.raises(AuthenticationError):
             c.generate("Hi", max_tokens=2)
-        with Client(f"127.0.0.1:{port}", retries=0, timeout=5) as c, \
+        with Client(up.addr, retries=0, timeout=5) as c, \
                 pytest.raises(Exception, match="UNAVAILABLE"):  # plaintext is refused
             c.generate("Hi", max_tokens=2)
-        roles = service_processes(up.pid)
+        roles = service_processes(up.proc.pid)
         assert {r for r, _, _ in roles} == {"router", "speculator", "verifier"}
         for _, pid, _ in roles:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 assert key.encode() not in f.read()
     finally:
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(timeout=60) == 0
+        assert up.stop(grace_s=60) == 0

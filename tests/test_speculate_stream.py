@@ -7,29 +7,18 @@ the speculator pool as service discovery changes it."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import subprocess
-import sys
 
 import grpc
 import pytest
-from servers import free_port, service, stream_sessions, wait_serving
+from servers import Stack, service, stream_sessions
 
-from services.stack import stop_processes
 from specinfer.client import Client
 from specinfer.v1 import common_pb2, speculator_pb2, speculator_pb2_grpc
 
 GREEDY = common_pb2.SamplingParams()
 SAMPLED = common_pb2.SamplingParams(temperature=0.8, seed=11)
 TREE = speculator_pb2.TreeConfig(expansion=[1, 2, 1], max_nodes=32)
-
-
-@pytest.fixture(scope="module")
-def speculator(tiny_llama):
-    with service("speculator", "--llm", tiny_llama, "--ssm", tiny_llama, "--max-nodes", "32",
-                 "--max-context", "512") as (addr, _):
-        yield addr
 
 
 def same_tree(a: common_pb2.TokenTree, b: common_pb2.TokenTree) -> None:
@@ -64,11 +53,11 @@ class Stream:
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_stream_and_unary_give_the_same_trees(speculator, sampling):
+def test_stream_and_unary_give_the_same_trees(tiny_speculator, sampling):
     rng = random.Random(3)
 
     async def run() -> int:
-        async with grpc.aio.insecure_channel(speculator) as channel:
+        async with grpc.aio.insecure_channel(tiny_speculator) as channel:
             stub = speculator_pb2_grpc.SpeculatorStub(channel)
             contexts = {"a": [rng.randrange(128) for _ in range(40)],
                         "b": [rng.randrange(128) for _ in range(7)]}
@@ -98,9 +87,9 @@ def test_stream_and_unary_give_the_same_trees(speculator, sampling):
     assert asyncio.run(run()) == 2
 
 
-def test_stream_refusals_name_the_field(speculator):
+def test_stream_refusals_name_the_field(tiny_speculator):
     async def refused(messages: list[speculator_pb2.SpeculateStreamRequest]):
-        async with grpc.aio.insecure_channel(speculator) as channel:
+        async with grpc.aio.insecure_channel(tiny_speculator) as channel:
             call = speculator_pb2_grpc.SpeculatorStub(channel).SpeculateStream()
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 for m in messages:
@@ -171,27 +160,14 @@ def test_router_over_the_stream_survives_a_speculator_restart(tiny_chat_llm):
     """Greedy output is identical with the stream, while its speculator is killed
     mid-traffic (steps decode without it), and after a new one takes its address (a new
     stream, from full contexts)."""
-    exe = [sys.executable, "-m", "services", "serve"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    vport, sport, rport = free_port(), free_port(), free_port()
-
-    def speculator_proc() -> subprocess.Popen:
-        return subprocess.Popen(exe + ["speculator", "--llm", tiny_chat_llm, "--ssm",
-                                       tiny_chat_llm, "--port", str(sport), "--datastore",
-                                       "none", "--threads", "1"], env=env)
-
-    procs = [subprocess.Popen(exe + ["verifier", "--llm", tiny_chat_llm, "--port", str(vport),
-                                     "--threads", "1", "--datastore", "none"], env=env),
-             speculator_proc()]
-    router = subprocess.Popen(exe + [
-        "router", "--llm", tiny_chat_llm, "--port", str(rport), "--http-port", "0",
-        "--verifier", f"127.0.0.1:{vport}", "--speculator", f"127.0.0.1:{sport}",
-        "--speculation", "always"], env=env)
-    procs.append(router)
-    addr = f"127.0.0.1:{rport}"
-    try:
-        wait_serving(f"127.0.0.1:{sport}", procs[1], 240)
-        wait_serving(addr, router, 240)
+    with Stack() as stack:
+        verifier = stack.start("verifier", "--llm", tiny_chat_llm, "--threads", "1",
+                               "--datastore", "none")
+        speculator_args = ("--llm", tiny_chat_llm, "--ssm", tiny_chat_llm, "--datastore",
+                           "none", "--threads", "1")
+        speculator = stack.start("speculator", *speculator_args).wait()
+        addr = stack.router(tiny_chat_llm, [verifier], "--http-port", "0", "--speculation",
+                            "always", speculators=(speculator,)).addr
         with Client(addr) as c:
             reference = {p: c.generate(p, max_tokens=48, speculation=False).token_ids
                          for p in PROMPTS}
@@ -203,30 +179,26 @@ def test_router_over_the_stream_survives_a_speculator_restart(tiny_chat_llm):
             task = asyncio.create_task(stream_sessions(addr, PROMPTS, PROMPTS, 48, started,
                                                        len(PROMPTS)))
             await asyncio.wait_for(started.wait(), 60)
-            procs[1].kill()
+            speculator.proc.kill()
             return await task
 
         for prompt, ids in asyncio.run(kill_mid_traffic()):
             assert ids == reference[prompt]
-        procs[1].wait()
-        procs[1] = speculator_proc()
-        wait_serving(f"127.0.0.1:{sport}", procs[1], 240)
+        speculator.proc.wait()
+        stack.start("speculator", *speculator_args, port=speculator.port).wait()
         with Client(addr) as c:
             for p in PROMPTS:
                 assert c.generate(p, max_tokens=48).token_ids == reference[p]
-    finally:
-        stop_processes(procs)
 
 
-def test_streams_open_and_close_as_discovery_changes_the_pool(tiny_llama):
+def test_streams_open_and_close_as_discovery_changes_the_pool(tiny_llama, tiny_speculator):
     """The router's pool as service discovery changes it: a replica that leaves has its
     stream cancelled; the sequences' next step goes to another replica over a new stream
     from full contexts, with the trees its unary Speculate gives; a replica that comes back
     starts with an empty stream."""
-    args = ("speculator", "--llm", tiny_llama, "--ssm", tiny_llama, "--max-nodes", "32",
-            "--max-context", "512", "--threads", "1")
-    with service(*args) as (a, _), service(*args) as (b, _):
-        asyncio.run(_follow_the_pool(a, b))
+    with service("speculator", "--llm", tiny_llama, "--ssm", tiny_llama, "--max-nodes", "32",
+                 "--max-context", "512", "--threads", "1") as (other, _):
+        asyncio.run(_follow_the_pool(tiny_speculator, other))
 
 
 async def _follow_the_pool(a: str, b: str) -> None:

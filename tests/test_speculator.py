@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from conftest import save_tiny_llama
-from servers import service
+from servers import start
 
 from services.speculator.engine import SpeculateSpec, SpeculatorEngine
 from specinfer.drafting import DraftRequest
@@ -72,12 +72,10 @@ def test_prompt_lookup_tree_follows_earlier_occurrences():
 
 
 @pytest.fixture(scope="module")
-def speculator(tiny_llama):
-    with service("speculator", "--llm", tiny_llama, "--ssm", tiny_llama, "--max-nodes", "32",
-                 "--expansion", "1,2,1") as (addr, _):
-        channel = grpc.insecure_channel(addr)
-        yield speculator_pb2_grpc.SpeculatorStub(channel)
-        channel.close()
+def speculator(tiny_speculator):
+    channel = grpc.insecure_channel(tiny_speculator)
+    yield speculator_pb2_grpc.SpeculatorStub(channel)
+    channel.close()
 
 
 def call(stub, context, sampling=None, **tree):
@@ -164,20 +162,11 @@ def test_verifier_refuses_a_head_share_outside_its_tree_budget(capsys):
 def test_speculate_is_unavailable_until_the_ssms_are_loaded(tiny_chat_llm):
     """From the moment it listens until its SSMs are loaded, Speculate answers UNAVAILABLE
     with a message (not an internal error); then it drafts."""
-    import os
-    import signal
-    import subprocess
-    import sys
     import time
 
-    from servers import free_port
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services", "serve", "speculator", "--llm",
-                             tiny_chat_llm, "--ssm", f"{tiny_chat_llm}#layers=1", "--port",
-                             str(port), "--datastore", "none", "--max-context", "64"],
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    speculator = start("speculator", "--llm", tiny_chat_llm, "--ssm",
+                       f"{tiny_chat_llm}#layers=1", "--datastore", "none", "--max-context", "64")
+    channel = grpc.insecure_channel(speculator.addr)
     stub = speculator_pb2_grpc.SpeculatorStub(channel)
     request = speculator_pb2.SpeculateRequest(items=[speculator_pb2.SpeculateItem(
         sequence_id="x", context=[5, 6, 7, 5, 6], tree=speculator_pb2.TreeConfig(max_nodes=4))])
@@ -198,8 +187,7 @@ def test_speculate_is_unavailable_until_the_ssms_are_loaded(tiny_chat_llm):
         assert any("loading" in details for _, details in refusals), refusals
     finally:
         channel.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+        speculator.stop()
 
 
 def test_a_speculate_call_holds_at_most_max_items_sequences():

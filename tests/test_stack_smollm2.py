@@ -6,13 +6,10 @@ chat template applied, 48 new tokens), with speculation on."""
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
-from servers import free_port, wait_serving
+from servers import cli, free_port, start
 
 from specinfer.chat import chat_prompt_ids
 from specinfer.client import Client
@@ -25,16 +22,13 @@ NEW = 48
 
 @pytest.fixture(scope="module")
 def up(smollm2_datastore):
-    port, http = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services", "up", "--port", str(port),
-                             "--http-port", str(http), "--slots", "4", "--max-context",
-                             "1024", "--speculation", "always"])
+    up = start("up", "--http-port", str(free_port()), "--slots", "4", "--max-context", "1024",
+               "--speculation", "always")
     try:
-        wait_serving(f"127.0.0.1:{port}", proc, timeout=600)
-        yield f"127.0.0.1:{port}", proc
+        up.wait(timeout=600)
+        yield up.addr, up.proc
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0  # stops all of its processes cleanly
+        assert up.stop() == 0  # stops all of its processes cleanly
 
 
 def test_stack_greedy_equals_transformers_on_mtbench(up):
@@ -58,9 +52,8 @@ def test_stack_greedy_equals_transformers_on_mtbench(up):
 
 def test_generate_cli_json_contract(up):
     addr, _ = up
-    out = subprocess.run([sys.executable, "-m", "services", "generate", "--addr", addr,
-                          "--chat", "--json", "--max-tokens", "16", "What is 2+2?"],
-                         capture_output=True, text=True, timeout=300)
+    out = cli("generate", "--addr", addr, "--chat", "--json", "--max-tokens", "16",
+              "What is 2+2?", timeout=300)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     for key in ("text", "token_ids", "steps", "accepted_per_step", "elapsed_s", "dtype"):

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from servers import free_port, wait_serving
+from servers import free_port, start
 
 from services.router.request import GenRequest
 from services.router.scheduler import Scheduler
@@ -40,20 +40,17 @@ BACK_WITHIN_S = 90.0  # a restart: its backoff (1 s) + loading (~5 s here) + a l
 @pytest.fixture(scope="module")
 def up(tiny_chat_llm, tmp_path_factory):
     """`specinfer up` on the tiny models; its log (every service's) goes to a file."""
-    port, http = free_port(), free_port()
     log = tmp_path_factory.mktemp("up") / "up.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services", "up", "--llm", tiny_chat_llm, "--ssm",
-             f"{tiny_chat_llm}#layers=1", "--datastore", "none", "--draft-head", "none",
-             "--slots", "8", "--max-context", "512", "--port", str(port), "--http-port",
-             str(http), "--speculation", "always", "--speculate-timeout",
-             str(SPECULATE_TIMEOUT_S)],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        up = start("up", "--llm", tiny_chat_llm, "--ssm", f"{tiny_chat_llm}#layers=1",
+                   "--datastore", "none", "--draft-head", "none", "--slots", "8",
+                   "--max-context", "512", "--http-port", str(free_port()), "--speculation",
+                   "always", "--speculate-timeout", str(SPECULATE_TIMEOUT_S), stdout=out,
+                   stderr=subprocess.STDOUT, start_new_session=True)
+    proc = up.proc
     try:
-        wait_serving(f"127.0.0.1:{port}", proc, timeout=240)
-        yield {"addr": f"127.0.0.1:{port}", "proc": proc, "log": log}
+        up.wait()
+        yield {"addr": up.addr, "proc": proc, "log": log}
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

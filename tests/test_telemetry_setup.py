@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from servers import cli
 
 from specinfer import tracing
 from specinfer.logs import JsonFormatter
@@ -18,6 +19,8 @@ from specinfer.metrics import tree_size
 PROBE = """
 import json, sys, threading
 from opentelemetry import trace
+from servers import cli
+
 from specinfer import tracing
 on = tracing.setup_tracing("router", sys.argv[1] or None)
 span = tracing.request_span("probe")
@@ -106,9 +109,8 @@ def test_a_bad_setting_is_named(endpoint, env, message):
 
 
 def test_a_bad_endpoint_stops_a_service_with_exit_2():
-    out = subprocess.run([sys.executable, "-m", "services", "serve", "router", "--verifier",
-                          "127.0.0.1:1", "--otlp-traces-endpoint", "http://"],
-                         capture_output=True, text=True, timeout=120)
+    out = cli("serve", "router", "--verifier", "127.0.0.1:1", "--otlp-traces-endpoint",
+              "http://")
     assert out.returncode == 2 and "--otlp-traces-endpoint" in out.stderr
 
 
