@@ -39,7 +39,7 @@ def test_token_bytes_are_raw_and_offsets_follow_the_text():
 def test_a_stop_string_and_eos_in_one_step_keep_only_the_tokens_before_the_stop():
     """A speculative step accepting "." then EOS, with stop ".": one-token steps would stop
     at "."; so does the step (token ids, logprobs and usage included)."""
-    from services.router.main import RouterConfig
+    from services.router.config import RouterConfig
     from services.router.request import GenRequest
     from services.router.scheduler import Scheduler
     from specinfer.models import DEFAULT_LLM, load_tokenizer

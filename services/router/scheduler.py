@@ -24,10 +24,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import grpc
 
+from services.router.config import RouterConfig
 from services.router.drafting import SpeculatorPool, Trees, together
 from services.router.lifecycle import RequestLifecycle
 from services.router.metrics import RouterMetrics
@@ -48,9 +48,6 @@ from specinfer.plans import DraftPlan
 from specinfer.tls import TlsConfig
 from specinfer.v1 import common_pb2, verifier_pb2
 from specinfer.wire import sampling_to_proto
-
-if TYPE_CHECKING:
-    from services.router.main import RouterConfig
 
 log = logging.getLogger(__name__)
 
