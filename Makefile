@@ -8,7 +8,7 @@ CHECKOV_VENV ?= .venv-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.setup-done
 PROTOS := $(wildcard proto/specinfer/v1/*.proto)
 
-.PHONY: setup proto lint test run bench bench-quick soak fuzz bench-tracing gpu-wheels clean
+.PHONY: setup proto lint test test-fast run bench bench-quick soak fuzz bench-tracing gpu-wheels clean
 .PHONY: chart checkov-venv
 .PHONY: image
 
@@ -42,6 +42,12 @@ lint: setup
 # runs rather than skips.
 test: setup lint $(CHECKOV_STAMP)
 	$(VENV)/bin/pytest
+
+# The unit tier, for the inner loop (under 3 minutes on 2 cores): every test but those that
+# start services as processes (marker `processes`) or are slow (`slow`: the real default
+# model, long training). `make test` runs both tiers.
+test-fast: setup
+	$(VENV)/bin/pytest -m "not processes and not slow"
 
 # The Helm chart (deploy/helm/specinfer): helm lint and render with the real Helm library,
 # every object validated against the Kubernetes 1.31 schemas, invariants (GPUs, probes,

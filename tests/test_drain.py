@@ -19,6 +19,8 @@ from servers import failovers, free_port, sessions_on, stream_sessions
 from specinfer.client import Client
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 
+pytestmark = pytest.mark.processes
+
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of",
            "1, 2, 3, 4,"]
 MAX_TOKENS = 160

@@ -34,6 +34,8 @@ from specinfer.v1 import (
     verifier_pb2_grpc,
 )
 
+pytestmark = pytest.mark.processes
+
 EXAMPLES = int(os.environ.get("SPECINFER_FUZZ_EXAMPLES", "100"))
 MAX_CONTEXT = 96  # keeps every generation short, whatever max_tokens says
 TIMEOUT_S = 30.0  # any call past this is a hang

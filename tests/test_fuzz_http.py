@@ -21,6 +21,8 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi import checks as openapi_checks
 from servers import free_port
 
+pytestmark = pytest.mark.processes
+
 EXAMPLES = int(os.environ.get("SPECINFER_FUZZ_EXAMPLES", "50"))
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -32,6 +32,8 @@ from servers import (
 
 from specinfer.client import AsyncClient
 
+pytestmark = pytest.mark.processes
+
 SERVICE = "specinfer-verifier"
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of",

@@ -22,6 +22,8 @@ from services.stack import stop_processes
 from specinfer.client import Client, OverloadedError
 from specinfer.v1 import router_pb2, router_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
+pytestmark = pytest.mark.processes
+
 LEASE_S = 3.0
 PROMPT = "Tell me a long story about a lighthouse keeper"
 

@@ -19,6 +19,8 @@ from servers import free_port
 from bench.otlp_receiver import OtlpReceiver, poll
 from specinfer.client import Client
 
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "helm" / "specinfer" / "dashboards" / "specinfer.json"
 

@@ -15,6 +15,8 @@ from servers import free_port, http_post
 from specinfer.client import Client, NotFoundError
 from specinfer.models import DEFAULT_LLM, load_tokenizer
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module")
 def stack(processes, tiny_chat_llm):

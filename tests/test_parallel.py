@@ -22,6 +22,8 @@ from specinfer.models import ModelError
 from specinfer.tree import TokenTree
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 
+pytestmark = pytest.mark.processes
+
 
 def run(model_dir: str, tp: int, pp: int):
     engine = build_engine(model_dir, EngineConfig(max_context=128, slots=4), tp=tp, pp=pp,

@@ -234,6 +234,7 @@ def test_cuda_tensor_parallel_matches_one_gpu(tiny_llama):
         two.executor.close()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("fmt", [["--dtype", "bfloat16"], ["--quantize", "int8"]],
                          ids=["bfloat16", "int8"])
 def test_the_stack_in_other_formats_speculates_exactly(tiny_chat_llm, fmt):

@@ -15,6 +15,8 @@ from servers import free_port, http_post, scrape, service
 
 from specinfer.client import AsyncClient, Client, InvalidRequestError
 
+pytestmark = pytest.mark.processes
+
 ROUTER = ("--spec-max-batch", "64")  # every batch speculates
 
 

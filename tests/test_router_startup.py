@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from servers import Stack, free_port
 
+pytestmark = pytest.mark.processes
+
 
 def test_every_rpc_is_unavailable_until_the_verifiers_answer(tiny_chat_llm):
     """A router whose verifier is not there yet listens at once: Generate and

@@ -23,6 +23,8 @@ from specinfer.client import AuthenticationError, Client, InvalidRequestError, O
 from specinfer.errors import ResourceExhausted, Unauthenticated
 from specinfer.v1 import speculator_pb2, speculator_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
+pytestmark = pytest.mark.processes
+
 KEYS = ("sk-first-0123456789", "sk-second-abcdef")
 ENV_KEY = "sk-from-env-777"
 WRONG = "sk-wrong-key-555"

@@ -16,6 +16,8 @@ from servers import Stack, service, stream_sessions
 from specinfer.client import Client
 from specinfer.v1 import common_pb2, speculator_pb2, speculator_pb2_grpc
 
+pytestmark = pytest.mark.processes
+
 GREEDY = common_pb2.SamplingParams()
 SAMPLED = common_pb2.SamplingParams(temperature=0.8, seed=11)
 TREE = speculator_pb2.TreeConfig(expansion=[1, 2, 1], max_nodes=32)

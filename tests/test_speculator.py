@@ -85,6 +85,7 @@ def call(stub, context, sampling=None, **tree):
     return stub.Speculate(req, timeout=30)
 
 
+@pytest.mark.processes
 def test_service_trees_are_identical_on_cache_hit_and_miss(speculator):
     first = tree_from_proto(call(speculator, [3, 4, 5, 6]).results[0].tree)
     again = tree_from_proto(call(speculator, [3, 4, 5, 6]).results[0].tree)
@@ -95,6 +96,7 @@ def test_service_trees_are_identical_on_cache_hit_and_miss(speculator):
     assert all(d and abs(sum(d[0].q_probs) - 1) < 1e-4 for d in tree.drafts)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kwargs,field", [
     (dict(context=[]), "context"),
     (dict(context=[1, 500]), "context"),
@@ -159,6 +161,7 @@ def test_verifier_refuses_a_head_share_outside_its_tree_budget(capsys):
         assert "--head-nodes" in capsys.readouterr().err
 
 
+@pytest.mark.processes
 def test_speculate_is_unavailable_until_the_ssms_are_loaded(tiny_chat_llm):
     """From the moment it listens until its SSMs are loaded, Speculate answers UNAVAILABLE
     with a message (not an internal error); then it drafts."""

@@ -16,7 +16,7 @@ from specinfer.client import Client
 from specinfer.data import mtbench_first_turns
 from specinfer.models import DEFAULT_LLM, load_model, load_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 NEW = 48
 
 

@@ -30,6 +30,8 @@ from services.stack import Supervised, Supervisor, service_processes
 from specinfer.client import AsyncClient, Client, UnavailableError
 from specinfer.sampling import SamplingParams
 
+pytestmark = pytest.mark.processes
+
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Paris is the capital of",
            "1, 2, 3, 4,"]
 TOKENS = 400  # long enough to be mid-stream at the kill (~1 s of tiny-model decoding)

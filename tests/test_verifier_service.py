@@ -15,6 +15,8 @@ from specinfer.tree import ROOT, TokenTree
 from specinfer.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specinfer.wire import tree_to_proto
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module")
 def verifier(tiny_llama):
