@@ -1,9 +1,11 @@
 """The ``specinfer`` command (docs/architecture.md, "Commands"): parses, then dispatches to
 the command's own module. Each service's flags and composition live beside it
-(``services/<role>/main.py``); ``up`` is ``services.stack``, ``generate``
-``services.generate``, and the training commands ``specinfer.training.commands``. Only the
-module of the command being run is imported (so a serving process never loads training
-code); ``--help`` imports them all."""
+(``services/<role>/main.py``): its flags are a frozen config class (``specinfer.config``)
+and ``run`` builds the service from the parsed config. ``up`` is ``services.stack``
+(declared the same way), ``generate`` ``services.generate``, and the training commands
+``specinfer.training.commands``, which still add argparse flags themselves. Only the module
+of the command being run is imported (so a serving process never loads training code);
+``--help`` imports them all."""
 
 from __future__ import annotations
 
@@ -11,22 +13,23 @@ import argparse
 import importlib
 import sys
 
+from specinfer.config import add_arguments, from_namespace
 from specinfer.models import ModelError
 
-# (command, role) -> (help, module, its flags function, its run function)
+# (command, role) -> (help, module, its config class or flags function, its run function)
 COMMANDS = {
     ("serve", "verifier"): ("the LLM and its KV cache", "services.verifier.main",
-                            "add_args", "run"),
+                            "VerifierConfig", "run"),
     ("serve", "speculator"): ("SSMs and drafters: token trees", "services.speculator.main",
-                              "add_args", "run"),
+                              "SpeculatorConfig", "run"),
     ("serve", "router"): ("the public API and the scheduler", "services.router.main",
-                          "add_args", "run"),
+                          "RouterConfig", "run"),
     ("boost-tune", None): ("train a boost-tuned SSM pool", "specinfer.training.commands",
                            "add_boost_args", "boost_tune"),
     ("train-head", None): ("train a draft head on the LLM's features from a boost-tune run's "
                            "data", "specinfer.training.commands", "add_head_args",
                            "train_head"),
-    ("up", None): ("the whole stack on this machine", "services.stack", "add_args", "run"),
+    ("up", None): ("the whole stack on this machine", "services.stack", "UpConfig", "run"),
     ("generate", None): ("generate through a running stack", "services.generate", "add_args",
                          "run"),
 }
@@ -39,10 +42,14 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run one service, as the Helm chart does")
     roles = serve.add_subparsers(dest="role", required=True)
-    for (command, role), (text, module, add_args, _) in COMMANDS.items():
+    for (command, role), (text, module, flags, _) in COMMANDS.items():
         p = roles.add_parser(role, help=text) if role else sub.add_parser(command, help=text)
         if only in (None, command):
-            getattr(importlib.import_module(module), add_args)(p)
+            declared = getattr(importlib.import_module(module), flags)
+            if isinstance(declared, type):
+                add_arguments(p, declared)
+            else:
+                declared(p)
     return parser
 
 
@@ -65,9 +72,12 @@ def main(argv: list[str] | None = None) -> int:
 
     role = getattr(args, "role", None)
     setup_logging(f"{args.command}-{role or ''}".strip("-"), args.log_level)
-    _, module, _, run = COMMANDS[(args.command, role)]
+    _, name, flags, run = COMMANDS[(args.command, role)]
+    module = importlib.import_module(name)
+    declared = getattr(module, flags)
     try:
-        return getattr(importlib.import_module(module), run)(args)
+        config = from_namespace(declared, args) if isinstance(declared, type) else args
+        return getattr(module, run)(config)
     except (ModelError, TracingError, TlsError) as exc:
         print(f"specinfer: {exc}", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ valid) after an exponential backoff, while the others keep serving."""
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -16,64 +16,97 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.router import auth
-from services.router.policy import SPECULATION_CHOICES
+from services.router.config import RouterConfig
+from services.speculator.config import SpeculatorConfig
+from services.verifier.config import VerifierConfig
 from specinfer import tls, tracing
-from specinfer.models import DEFAULT_LLM
+from specinfer.config import Flags, flag, forward, forwarded, to_argv
 from specinfer.net import GRPC_OPTIONS, free_port
-from specinfer.placement import add_flags as add_placement_flags
-from specinfer.placement import from_flags
+from specinfer.placement import PlacementFlags
+from specinfer.tls import TlsFlags
 
 log = logging.getLogger(__name__)
 
+SERVICES = {"verifier": VerifierConfig, "speculator": SpeculatorConfig, "router": RouterConfig}
+MODEL_SERVICES = (VerifierConfig, SpeculatorConfig)
+EVERY_SERVICE = tuple(SERVICES.values())
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--llm", default=DEFAULT_LLM,
-                   help="the LLM: a model directory, .gguf file or alias (default %(default)s)")
-    p.add_argument("--ssm", action="append", default=None,
-                   help="an SSM for the speculators (repeatable; see serve speculator); "
-                        "default: the bundled pool if present")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address of the router's gRPC and HTTP APIs (default %(default)s)")
-    p.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
-    p.add_argument("--http-port", type=int, default=8000,
-                   help="the OpenAI-compatible HTTP API, /metrics and /health")
-    p.add_argument("--verifiers", type=int, default=1, help="verifier replicas")
-    p.add_argument("--speculators", type=int, default=1,
-                   help="speculator replicas (0: the verifiers' own drafts only)")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks per verifier (DeepSpeed AutoTP)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages per verifier")
-    p.add_argument("--slots", type=int, default=8,
-                   help="sequences each verifier holds in its KV cache at once")
-    p.add_argument("--max-context", type=int, default=2048,
-                   help="tokens per sequence: prompt + generated")
-    p.add_argument("--expansion", default=None, help="the speculator's static tree")
-    p.add_argument("--draft-head", default="auto", help="the verifiers' draft head: auto, "
-                   "none or a directory (see serve verifier)")
-    p.add_argument("--datastore", default="auto", help="the speculators' and verifiers' "
-                   "corpus drafts: auto, none or a saved .npz")
-    p.add_argument("--speculation", choices=tuple(SPECULATION_CHOICES), default="adaptive")
-    p.add_argument("--speculate-timeout", type=float, default=None,
-                   help="the router's budget for one Speculate call (see serve router)")
-    p.add_argument("--speculate-rpc", choices=("stream", "unary"), default="stream",
-                   help="the router's calls to the speculators (see serve router)")
-    add_placement_flags(p)  # the verifiers' and speculators' (validated here, before starting)
-    tracing.add_flags(p)  # passed to every service (the OTEL_* environment is inherited)
-    auth.add_flags(p)  # the router's (keys reach it in its environment, not in `ps`)
-    tls.add_flags(p)  # every service's
-    p.add_argument("--tls", action="store_true",
-                   help="a throw-away CA and certificate for a local trial: TLS on both "
-                        "public APIs, mutual TLS between the services (the CA's path is "
-                        "printed, for clients)")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="the router serves /metrics on --http-port; with this, the "
-                        "verifiers serve theirs on this port and the next ones, then the "
-                        "speculators (0 = only the router's)")
+
+@dataclass(frozen=True)
+class UpConfig(Flags):
+    """``up``'s flags: most are a service's own, forwarded to it (``to``); the rest say how
+    many services to run and how ``up`` wires them."""
+
+    llm: str = forward(VerifierConfig, "llm", to=EVERY_SERVICE, help="the LLM: a model "
+                       "directory, .gguf file or alias (default %(default)s)")
+    ssm: tuple[str, ...] | None = forward(
+        SpeculatorConfig, "ssm", help="an SSM for the speculators (repeatable; see serve "
+        "speculator); default: the bundled pool if present")
+    host: str = forward(RouterConfig, "host", help="address of the router's gRPC and HTTP "
+                        "APIs (default %(default)s)")
+    port: int = forward(RouterConfig, "port", help="the router's gRPC port")
+    http_port: int = forward(RouterConfig, "http_port", help="the OpenAI-compatible HTTP API, "
+                             "/metrics and /health")
+    verifiers: int = flag(1, "verifier replicas", minimum=1)
+    speculators: int = flag(1, "speculator replicas (0: the verifiers' own drafts only)",
+                            minimum=0)
+    tp: int = forward(VerifierConfig, "tp", help="tensor-parallel ranks per verifier "
+                      "(DeepSpeed AutoTP)")
+    pp: int = forward(VerifierConfig, "pp", help="pipeline stages per verifier")
+    slots: int = forward(VerifierConfig, "slots", help="sequences each verifier holds in its "
+                         "KV cache at once")
+    max_context: int = forward(VerifierConfig, "max_context", to=MODEL_SERVICES,
+                               help="tokens per sequence: prompt + generated")
+    expansion: str | None = forward(SpeculatorConfig, "expansion",
+                                    help="the speculator's static tree")
+    draft_head: str = forward(VerifierConfig, "draft_head", help="the verifiers' draft head: "
+                              "auto, none or a directory (see serve verifier)")
+    datastore: str = forward(VerifierConfig, "datastore", to=MODEL_SERVICES,
+                             help="the speculators' and verifiers' corpus drafts: auto, none "
+                             "or a saved .npz")
+    speculation: str = forward(RouterConfig, "speculation")
+    spec_max_batch: int = forward(RouterConfig, "spec_max_batch")
+    speculate_timeout: float | None = forward(
+        RouterConfig, "speculate_timeout", default=None,
+        help="the router's budget for one Speculate call (see serve router)")
+    speculate_rpc: str = forward(RouterConfig, "speculate_rpc", help="the router's calls to "
+                                 "the speculators (see serve router)")
+    # Validated here (PlacementFlags.resolve in run), before any service starts.
+    placement: PlacementFlags = forward(VerifierConfig, "placement", to=MODEL_SERVICES)
+    # Every service's; the OTEL_* environment is inherited too.
+    otlp_traces_endpoint: str | None = forward(VerifierConfig, "otlp_traces_endpoint",
+                                               to=EVERY_SERVICE)
+    # The router's, but keys reach it in its environment, not in `ps`: forwarded by run.
+    api_key: tuple[str, ...] = forward(RouterConfig, "api_key", to=())
+    metrics_auth: bool = forward(RouterConfig, "metrics_auth")
+    tls: TlsFlags = forward(RouterConfig, "tls", to=EVERY_SERVICE)
+    throwaway_tls: bool = flag(False, "a throw-away CA and certificate for a local trial: TLS "
+                               "on both public APIs, mutual TLS between the services (the "
+                               "CA's path is printed, for clients)", name="--tls")
+    metrics_port: int = flag(0, "the router serves /metrics on --http-port; with this, the "
+                             "verifiers serve theirs on this port and the next ones, then the "
+                             "speculators (0 = only the router's)")
+
+    def check(self) -> None:
+        if self.throwaway_tls and (self.tls.tls_cert or self.tls.tls_key or self.tls.tls_ca):
+            raise tls.TlsError("--tls makes its own certificates: drop --tls-cert/--tls-key/"
+                               "--tls-ca, or --tls")
+        for service in EVERY_SERVICE:  # a value a service would refuse fails here
+            service(**forwarded(self, service))
+
+
+def service_command(config: UpConfig, role: str, **values: Any) -> list[str]:
+    """``specinfer serve role`` with ``config``'s values declared for that service and
+    ``values`` (what ``up`` decides per process: ports, threads, addresses)."""
+    service = SERVICES[role]
+    return [sys.executable, "-m", "services", "serve", role,
+            *to_argv(service, {**forwarded(config, service), **values})]
 
 
 def wait_serving(address: str, procs: list[subprocess.Popen], timeout: float,
@@ -191,29 +224,23 @@ class Supervisor:
         stop_processes(self.procs, grace_s)
 
 
-def run(args: argparse.Namespace) -> int:
-    exe = [sys.executable, "-m", "services"]
-    from_flags(args)  # a bad --device/--dtype fails here, not in every service
-    tracing.exporter_for(args.otlp_traces_endpoint, os.environ)  # ... and a bad endpoint
-    placement = ["--device", args.device, "--dtype", args.dtype, "--quantize", args.quantize,
-                 "--compile", args.compile]
-    if args.otlp_traces_endpoint:
-        placement += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
-    tls_flags, credentials = _tls(args)
-    placement += tls_flags
-    keys = auth.ApiKeys.from_flags(args.api_key)  # validated here; passed as the env's
+def run(config: UpConfig) -> int:
+    config.placement.resolve()  # a bad --device/--dtype fails here, not in every service
+    tracing.exporter_for(config.otlp_traces_endpoint, os.environ)  # ... and a bad endpoint
+    config, credentials = _tls(config)
+    keys = auth.ApiKeys.from_flags(list(config.api_key))  # validated here; passed as the env's
     router_env = {**os.environ, auth.ENV: ",".join(
-        [*args.api_key, os.environ.get(auth.ENV, "")]).strip(",")} if keys.required else None
-    metrics_ports = iter(range(args.metrics_port, args.metrics_port + 1000)
-                         if args.metrics_port else [])
+        [*config.api_key, os.environ.get(auth.ENV, "")]).strip(",")} if keys.required else None
+    metrics_ports = iter(range(config.metrics_port, config.metrics_port + 1000)
+                         if config.metrics_port else [])
     metrics_urls = []
 
-    def metrics_flag() -> list[str]:
+    def metrics_port() -> dict[str, int]:
         port = next(metrics_ports, 0)
         if not port:
-            return []
+            return {}
         metrics_urls.append(f"http://127.0.0.1:{port}/metrics")
-        return ["--metrics-port", str(port)]
+        return {"metrics_port": port}
     services: list[Supervised] = []
     stopping = False
 
@@ -224,42 +251,23 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     # Share the cores among the model processes.
-    threads = max(1, (os.cpu_count() or 1) // max(1, args.verifiers * args.tp * args.pp))
+    threads = max(1, (os.cpu_count() or 1) // max(1, config.verifiers * config.tp * config.pp))
     verifiers = []
-    for _ in range(args.verifiers):
+    for _ in range(config.verifiers):
         port = free_port()
         verifiers.append(f"127.0.0.1:{port}")
-        services.append(Supervised("verifier", verifiers[-1], exe + [
-            "serve", "verifier", "--llm", args.llm, "--port", str(port), "--tp", str(args.tp),
-            "--pp", str(args.pp), "--slots", str(args.slots), "--max-context",
-            str(args.max_context), "--threads", str(threads), "--datastore", args.datastore,
-            "--draft-head", args.draft_head, *placement, *metrics_flag()]))
+        services.append(Supervised("verifier", verifiers[-1], service_command(
+            config, "verifier", port=port, threads=threads, **metrics_port())))
     speculators = []
-    for _ in range(args.speculators):
+    for _ in range(config.speculators):
         port = free_port()
         speculators.append(f"127.0.0.1:{port}")
-        cmd = exe + ["serve", "speculator", "--llm", args.llm, "--port", str(port),
-                     "--max-context", str(args.max_context), "--threads", str(threads)]
-        for ref in args.ssm or []:
-            cmd += ["--ssm", ref]
-        if args.expansion:
-            cmd += ["--expansion", args.expansion]
-        cmd += ["--datastore", args.datastore, *placement, *metrics_flag()]
-        services.append(Supervised("speculator", speculators[-1], cmd))
-    router = f"{args.host}:{args.port}"
-    cmd = exe + ["serve", "router", "--llm", args.llm, "--host", args.host, "--port",
-                 str(args.port), "--http-port", str(args.http_port),
-                 "--speculation", args.speculation, "--speculate-rpc", args.speculate_rpc]
-    if args.speculate_timeout is not None:
-        cmd += ["--speculate-timeout", str(args.speculate_timeout)]
-    if args.otlp_traces_endpoint:
-        cmd += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
-    cmd += tls_flags + (["--metrics-auth"] if args.metrics_auth else [])
-    for v in verifiers:
-        cmd += ["--verifier", v]
-    for s in speculators:
-        cmd += ["--speculator", s]
-    services.append(Supervised("router", router, cmd, env=router_env))
+        services.append(Supervised("speculator", speculators[-1], service_command(
+            config, "speculator", port=port, threads=threads, **metrics_port())))
+    router = f"{config.host}:{config.port}"
+    services.append(Supervised("router", router, service_command(
+        config, "router", verifier=tuple(verifiers), speculator=tuple(speculators)),
+        env=router_env))
     supervisor = Supervisor(services, credentials=credentials)
     supervisor.start()
     rc = 0
@@ -272,10 +280,10 @@ def run(args: argparse.Namespace) -> int:
                 print("specinfer up: a service failed to start", file=sys.stderr)
                 rc = 1
         else:
-            web = f"{'https' if credentials else 'http'}://{args.host}:{args.http_port}"
+            web = f"{'https' if credentials else 'http'}://{config.host}:{config.http_port}"
             print(f"specinfer is serving: gRPC {router}  OpenAI HTTP {web}/v1  metrics "
                   f"{' '.join([f'{web}/metrics', *metrics_urls])}"
-                  + (f"  TLS CA {args.tls_ca}" if credentials else "")
+                  + (f"  TLS CA {config.tls.tls_ca}" if credentials else "")
                   + (f"  API keys {len(keys)}" if keys.required else "")
                   + "  (Ctrl-C stops)", flush=True)
         while not stopping and rc == 0:
@@ -286,29 +294,23 @@ def run(args: argparse.Namespace) -> int:
     return rc
 
 
-def _tls(args: argparse.Namespace) -> tuple[list[str], grpc.ChannelCredentials | None]:
-    """The TLS flags every service gets (``--tls``: from a throw-away CA made now), and the
-    credentials ``up``'s own health checks use (a client certificate for mutual TLS)."""
-    if args.tls:
-        if args.tls_cert or args.tls_key or args.tls_ca:
-            raise tls.TlsError("--tls makes its own certificates: drop --tls-cert/--tls-key/"
-                               "--tls-ca, or --tls")
+def _tls(config: UpConfig) -> tuple[UpConfig, grpc.ChannelCredentials | None]:
+    """``config`` with the TLS files every service gets (``--tls``: a throw-away CA made
+    now), and the credentials ``up``'s own health checks use (a client certificate for
+    mutual TLS)."""
+    if config.throwaway_tls:
         import tempfile
 
         pki = tls.throwaway_pki(Path(tempfile.mkdtemp(prefix="specinfer-tls-")))
-        args.tls_cert, args.tls_key, args.tls_ca = (str(pki["cert"]), str(pki["key"]),
-                                                    str(pki["ca"]))
-    config = tls.from_flags(args)  # a bad file stops `up` here (exit 2)
-    if config is None:
-        return [], None
-    flags = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
-    if args.tls_ca:
-        flags += ["--tls-ca", args.tls_ca]
-    if args.tls_server_name:
-        flags += ["--tls-server-name", args.tls_server_name]
+        config = dataclasses.replace(config, throwaway_tls=False, tls=TlsFlags(
+            tls_cert=str(pki["cert"]), tls_key=str(pki["key"]), tls_ca=str(pki["ca"]),
+            tls_server_name=config.tls.tls_server_name))
+    files = tls.from_flags(config.tls)  # a bad file stops `up` here (exit 2)
+    if files is None:
+        return config, None
     # Our health checks: trust the CA (or, without one, the system's roots) and present
     # the stack's certificate, which a mutual-TLS verifier asks for.
-    return flags, grpc.ssl_channel_credentials(config.ca, config.key, config.cert)
+    return config, grpc.ssl_channel_credentials(files.ca, files.key, files.cert)
 
 
 def service_processes(up_pid: int) -> list[tuple[str, int, str]]:

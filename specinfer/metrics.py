@@ -10,8 +10,8 @@ metrics.py``) on a registry of its own, so a test process can hold several.
 
 from __future__ import annotations
 
-import argparse
 import logging
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -22,6 +22,8 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
+
+from specinfer.config import flag
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +65,9 @@ def exposition(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)
 
 
-def add_flags(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help=f"serve Prometheus metrics at http://HOST:PORT/metrics ({what}); "
-                        "0 = off")
+def port_flag(what: str) -> Any:
+    """The ``--metrics-port`` field of a service's config (``what``: the metrics it has)."""
+    return flag(0, f"serve Prometheus metrics at http://HOST:PORT/metrics ({what}); 0 = off")
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> None:

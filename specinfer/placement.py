@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specinfer.config import Flags, flag
 from specinfer.models import ModelError
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
@@ -93,22 +94,20 @@ def resolve(device: str = "auto", dtype: str = "auto", quantize: str = "none",
     return Placement(dev, dt, quantize, compiled)
 
 
-def add_flags(parser) -> None:
+@dataclass(frozen=True)
+class PlacementFlags(Flags):
     """The four flags on every command that holds a model."""
-    parser.add_argument("--device", default="auto",
-                        help=f"{DEVICE_CHOICES} (auto: the first GPU if any, else the CPU)")
-    parser.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
-                        help="weights, activations and KV cache (auto: bfloat16 on a GPU, "
-                             "float32 on the CPU, token-identical to transformers)")
-    parser.add_argument("--quantize", default="none", choices=QUANTIZE,
-                        help="int8: weight-only int8 linears on the CPU (fastest; greedy "
-                             "output may differ from float32 at near-ties)")
-    parser.add_argument("--compile", default="auto", choices=COMPILE,
-                        help="captured steps: CUDA graphs on a GPU (auto: on there), "
-                             "torch.compile on the CPU (auto: off there)")
-    parser.add_argument("--no-compile", dest="compile", action="store_const", const="off",
-                        help="eager steps everywhere (same as --compile off)")
 
+    device: str = flag("auto", f"{DEVICE_CHOICES} (auto: the first GPU if any, else the CPU)")
+    dtype: str = flag("auto", "weights, activations and KV cache (auto: bfloat16 on a GPU, "
+                      "float32 on the CPU, token-identical to transformers)",
+                      choices=("auto", *DTYPES))
+    quantize: str = flag("none", "int8: weight-only int8 linears on the CPU (fastest; greedy "
+                         "output may differ from float32 at near-ties)", choices=QUANTIZE)
+    compile: str = flag("auto", "captured steps: CUDA graphs on a GPU (auto: on there), "
+                        "torch.compile on the CPU (auto: off there)", choices=COMPILE,
+                        shortcuts=(("--no-compile", "off",
+                                    "eager steps everywhere (same as --compile off)"),))
 
-def from_flags(args) -> Placement:
-    return resolve(args.device, args.dtype, args.quantize, args.compile)
+    def resolve(self) -> Placement:
+        return resolve(self.device, self.dtype, self.quantize, self.compile)

@@ -8,7 +8,6 @@ them). ``throwaway_pki`` makes a CA and one certificate for a local trial (``up 
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import ipaddress
 import ssl
@@ -17,22 +16,27 @@ from pathlib import Path
 
 import grpc
 
+from specinfer.config import Flags, flag
+
 
 class TlsError(ValueError):
     """A TLS flag that cannot work (exit 2, naming it)."""
 
 
-def add_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-cert", default=None, metavar="PEM",
-                   help="this service's certificate (chain): its listeners serve TLS")
-    p.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
-    p.add_argument("--tls-ca", default=None, metavar="PEM",
-                   help="mutual TLS between services: the CA whose certificates a speculator "
-                        "or verifier accepts from callers, and the router checks theirs "
-                        "against (needs --tls-cert/--tls-key)")
-    p.add_argument("--tls-server-name", default=None, metavar="NAME",
-                   help="the name the router expects in the speculators' and verifiers' "
-                        "certificates (default: the host of each address)")
+@dataclass(frozen=True)
+class TlsFlags(Flags):
+    """The TLS flags every service takes: PEM file paths (read by ``from_flags``)."""
+
+    tls_cert: str | None = flag(None, "this service's certificate (chain): its listeners "
+                                "serve TLS", metavar="PEM")
+    tls_key: str | None = flag(None, "its private key", metavar="PEM")
+    tls_ca: str | None = flag(None, "mutual TLS between services: the CA whose certificates "
+                              "a speculator or verifier accepts from callers, and the router "
+                              "checks theirs against (needs --tls-cert/--tls-key)",
+                              metavar="PEM")
+    tls_server_name: str | None = flag(None, "the name the router expects in the speculators' "
+                                       "and verifiers' certificates (default: the host of "
+                                       "each address)", metavar="NAME")
 
 
 @dataclass(frozen=True)
@@ -82,16 +86,16 @@ def _read(path: str, flag: str) -> bytes:
     return data
 
 
-def from_flags(args: argparse.Namespace) -> TlsConfig | None:
+def from_flags(flags: TlsFlags) -> TlsConfig | None:
     """The TLS settings the flags give, or None for plaintext."""
-    cert, key, ca = args.tls_cert, args.tls_key, args.tls_ca
+    cert, key, ca = flags.tls_cert, flags.tls_key, flags.tls_ca
     if not (cert or key or ca):
         return None
     if not (cert and key):
         raise TlsError("--tls-cert and --tls-key go together (and --tls-ca needs both)")
     config = TlsConfig(_read(cert, "--tls-cert"), _read(key, "--tls-key"),
                        _read(ca, "--tls-ca") if ca else None,
-                       getattr(args, "tls_server_name", None),
+                       flags.tls_server_name,
                        str(Path(cert).expanduser()), str(Path(key).expanduser()))
     try:  # a key that does not match its certificate fails here, not at the first call
         config.ssl_context()

@@ -15,17 +15,19 @@ its child.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 from urllib.parse import urlparse
 
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
+
+from specinfer.config import flag
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +48,13 @@ class TracingError(ValueError):
     """A tracing setting that cannot work (exit 2, naming it)."""
 
 
-def add_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="export traces over OTLP to this collector (Jaeger: "
-                        "http://HOST:4317 for OTLP/gRPC; with OTEL_EXPORTER_OTLP_PROTOCOL="
-                        "http/protobuf, http://HOST:4318). Default: "
-                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT; "
-                        "with none, tracing is off and costs nothing")
+def endpoint_flag() -> Any:
+    """The ``--otlp-traces-endpoint`` field of every service's config."""
+    return flag(None, "export traces over OTLP to this collector (Jaeger: http://HOST:4317 "
+                "for OTLP/gRPC; with OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf, "
+                "http://HOST:4318). Default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+                "OTEL_EXPORTER_OTLP_ENDPOINT; with none, tracing is off and costs nothing",
+                metavar="URL")
 
 
 def enabled() -> bool:

@@ -7,7 +7,6 @@ not: a change the router's watch missed)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -24,6 +23,7 @@ from kubernetes.aio import client as kclient
 from services.router import discovery, kubernetes_discovery
 from services.router.discovery import DiscoveryError, DnsDiscovery, StaticDiscovery
 from services.router.kubernetes_discovery import KubernetesDiscovery, ServiceTarget
+from specinfer.config import parse
 
 
 class Recorder:
@@ -288,10 +288,7 @@ async def test_from_flags_kubernetes_with_kubeconfig(kmock, api, tmp_path, monke
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.setenv("POD_NAMESPACE", "prod")
-    p = argparse.ArgumentParser()
-    discovery.add_flags(p)
-    args = p.parse_args(["--discovery", "kubernetes"])
-    d = discovery.from_flags(args, ["ver"], ["spec.team:grpc"])
+    d = discovery.from_flags(_args("--discovery", "kubernetes"), ["ver"], ["spec.team:grpc"])
     assert isinstance(d, KubernetesDiscovery) and d.resync_s == 300.0
     rec = Recorder()
     async with running(d, rec):
@@ -362,11 +359,9 @@ async def test_dns_changes_failures_keep_the_last_set():
 
 @pytest.mark.asyncio
 async def test_static_reports_the_flags_once():
-    p = argparse.ArgumentParser()
-    discovery.add_flags(p)
-    args = p.parse_args([])
-    assert (args.discovery, args.discovery_interval, args.kube_namespace) == ("static", None, None)
-    d = discovery.from_flags(args, ["a:1", "[::1]:2", "a:1"], [])
+    flags = _args()
+    assert (flags.mode, flags.interval, flags.kube_namespace) == ("static", None, None)
+    d = discovery.from_flags(flags, ["a:1", "[::1]:2", "a:1"], [])
     assert isinstance(d, StaticDiscovery)
     rec = Recorder()
     async with running(d, rec):
@@ -374,10 +369,8 @@ async def test_static_reports_the_flags_once():
                              ("speculator", frozenset())]
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    discovery.add_flags(p)
-    return p.parse_args(list(argv))
+def _args(*argv: str) -> discovery.DiscoveryFlags:
+    return parse(discovery.DiscoveryFlags, argv)
 
 
 @pytest.mark.parametrize("argv,verifiers,speculators,flag", [

@@ -8,7 +8,6 @@ per-key limits see its ``key_id``, a short hash."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import hmac
 import os
@@ -18,15 +17,6 @@ from specinfer.errors import Unauthenticated
 
 ENV = "SPECINFER_API_KEY"
 ANONYMOUS = "-"  # the key id of every request while no key is configured
-
-
-def add_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help=f"require this key (repeatable; also {ENV}, comma-separated) on the "
-                        "OpenAI API (Authorization: Bearer KEY) and the gRPC API (metadata "
-                        "authorization: Bearer KEY)")
-    p.add_argument("--metrics-auth", action="store_true",
-                   help="/metrics requires an API key too (default: open, for scrapers)")
 
 
 def key_id(key: str) -> str:

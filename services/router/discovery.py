@@ -49,13 +49,13 @@ Every address added or removed is logged (``extra={"role", "address", "source"}`
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import math
 import re
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from services.router.discovery_base import (
@@ -74,32 +74,33 @@ from services.router.kubernetes_discovery import (
     namespace,
     parse_service,
 )
+from specinfer.config import Flags, flag
 
 log = logging.getLogger(__name__)
 
 
-def add_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--discovery", choices=MODES, default="static",
-                   help="how --verifier/--speculator are read: static host:port addresses; "
-                        "dns: HOST:PORT names re-resolved to every address (a headless "
-                        "Service); kubernetes: SERVICE[.NAMESPACE][:PORT] whose EndpointSlices "
-                        "are watched (default port: the one named grpc)")
-    p.add_argument("--discovery-interval", default=None, metavar="SECONDS",
-                   help="dns: seconds between resolutions (default 5); kubernetes: seconds "
-                        "between full re-lists that repair a silently broken watch "
-                        "(default 300)")
-    p.add_argument("--kube-namespace", default=None, metavar="NS",
-                   help="namespace of Services named without one (default: $POD_NAMESPACE, "
-                        "else the pod's service account namespace, else default)")
+@dataclass(frozen=True)
+class DiscoveryFlags(Flags):
+    mode: str = flag("static", "how --verifier/--speculator are read: static host:port "
+                     "addresses; dns: HOST:PORT names re-resolved to every address (a headless "
+                     "Service); kubernetes: SERVICE[.NAMESPACE][:PORT] whose EndpointSlices "
+                     "are watched (default port: the one named grpc)", name="--discovery",
+                     choices=MODES)
+    # Checked by from_flags: its default depends on the mode.
+    interval: str | None = flag(None, "dns: seconds between resolutions (default 5); "
+                                "kubernetes: seconds between full re-lists that repair a "
+                                "silently broken watch (default 300)",
+                                name="--discovery-interval", metavar="SECONDS")
+    kube_namespace: str | None = flag(None, "namespace of Services named without one "
+                                      "(default: $POD_NAMESPACE, else the pod's service "
+                                      "account namespace, else default)", metavar="NS")
 
 
-def from_flags(args: argparse.Namespace, verifiers: list[str],
-               speculators: list[str]) -> Discovery:
+def from_flags(flags: DiscoveryFlags, verifiers: Sequence[str],
+               speculators: Sequence[str]) -> Discovery:
     """The discovery source the flags describe; raises DiscoveryError naming the flag."""
-    mode = getattr(args, "discovery", "static") or "static"
-    if mode not in MODES:
-        raise DiscoveryError(f"--discovery must be one of {', '.join(MODES)}; got {mode!r}")
-    interval = _interval(getattr(args, "discovery_interval", None), mode)
+    mode = flags.mode
+    interval = _interval(flags.interval, mode)
     targets = {"verifier": list(verifiers or []), "speculator": list(speculators or [])}
     if not targets["verifier"]:
         raise DiscoveryError("--verifier: at least one is needed")
@@ -107,7 +108,7 @@ def from_flags(args: argparse.Namespace, verifiers: list[str],
         return StaticDiscovery(_static_targets(targets))
     if mode == "dns":
         return DnsDiscovery(_dns_targets(targets), interval)
-    ns = namespace(getattr(args, "kube_namespace", None))
+    ns = namespace(flags.kube_namespace)
     parsed = {role: [parse_service(t, ns, _flag(role)) for t in ts]
               for role, ts in targets.items()}
     check_kube_config()

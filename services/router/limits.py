@@ -4,28 +4,34 @@ INVALID_ARGUMENT (RESOURCE_EXHAUSTED for streams per key and oversized messages)
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from specinfer.config import Flags, flag
 from specinfer.errors import InvalidArgument, ResourceExhausted
-from specinfer.models import ModelError
 from specinfer.sampling import MAX_LOGPROBS
 
 
 @dataclass(frozen=True)
-class Limits:
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_prompt_tokens: int = 0  # 0: the verifiers' context, less one token to generate
-    max_tokens: int = 0  # 0: what fits in the context after the prompt
-    max_n: int = 8
-    max_stop_strings: int = 16
-    max_stop_chars: int = 1024
-    max_logprobs: int = MAX_LOGPROBS
-    max_streams_per_key: int = 256
-    max_prompts: int = 32  # prompts in one completions request (a batch)
+class Limits(Flags):
+    max_body_bytes: int = flag(16 * 1024 * 1024, "largest HTTP request body and gRPC request "
+                               "message (HTTP 413)", minimum=1)
+    max_prompt_tokens: int = flag(0, "longest prompt in tokens (0: the model's context less "
+                                  "one)", minimum=0)
+    max_tokens: int = flag(0, "largest max_tokens a request may ask for (0: no limit but the "
+                           "context; longer requests are cut at the context)", minimum=0)
+    max_n: int = flag(8, "most choices (n) per request", minimum=1)
+    max_stop_strings: int = flag(16, "most stop strings per request", minimum=0)
+    max_stop_chars: int = flag(1024, "longest stop string, in characters", minimum=0)
+    max_logprobs: int = flag(MAX_LOGPROBS, "most alternatives per token with logprobs "
+                             f"(<= {MAX_LOGPROBS})", minimum=0, maximum=MAX_LOGPROBS)
+    max_streams_per_key: int = flag(256, "requests (choices) one API key may have in flight "
+                                    "at once (HTTP 429 / RESOURCE_EXHAUSTED past it); without "
+                                    "keys, all requests share one count", minimum=1)
+    max_prompts: int = flag(32, "most prompts in one /v1/completions request (a list of "
+                            "prompts: one choice each, times n)", minimum=1)
 
     def check_stop(self, field: str, stop: list[str]) -> None:
         if len(stop) > self.max_stop_strings:
@@ -49,45 +55,6 @@ class Limits:
         if value is not None and value > self.max_logprobs:
             raise InvalidArgument(field, f"{value}; at most {self.max_logprobs} "
                                   "(--max-logprobs)")
-
-
-def add_flags(p: argparse.ArgumentParser) -> None:
-    d = Limits()
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
-                   help="largest HTTP request body and gRPC request message (HTTP 413)")
-    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
-                   help="longest prompt in tokens (0: the model's context less one)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
-                   help="largest max_tokens a request may ask for (0: no limit but the "
-                        "context; longer requests are cut at the context)")
-    p.add_argument("--max-n", type=int, default=d.max_n, help="most choices (n) per request")
-    p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
-                   help="most stop strings per request")
-    p.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
-                   help="longest stop string, in characters")
-    p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
-                   help=f"most alternatives per token with logprobs (<= {MAX_LOGPROBS})")
-    p.add_argument("--max-streams-per-key", type=int, default=d.max_streams_per_key,
-                   help="requests (choices) one API key may have in flight at once (HTTP "
-                        "429 / RESOURCE_EXHAUSTED past it); without keys, all requests share "
-                        "one count")
-    p.add_argument("--max-prompts", type=int, default=d.max_prompts,
-                   help="most prompts in one /v1/completions request (a list of prompts: "
-                        "one choice each, times n)")
-
-
-def from_flags(args: argparse.Namespace) -> Limits:
-    limits = Limits(args.max_body_bytes, args.max_prompt_tokens, args.max_tokens, args.max_n,
-                    args.max_stop_strings, args.max_stop_chars, args.max_logprobs,
-                    args.max_streams_per_key, args.max_prompts)
-    for name, value in vars(limits).items():
-        least = 1 if name in ("max_body_bytes", "max_n", "max_streams_per_key",
-                              "max_prompts") else 0
-        if value < least:
-            raise ModelError(f"--{name.replace('_', '-')} must be >= {least}; got {value}")
-    if limits.max_logprobs > MAX_LOGPROBS:
-        raise ModelError(f"--max-logprobs must be <= {MAX_LOGPROBS}; got {limits.max_logprobs}")
-    return limits
 
 
 class KeyStreams:
