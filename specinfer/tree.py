@@ -14,6 +14,7 @@ topology-aware 4-D additive mask.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -182,6 +183,17 @@ def merge_trees(trees: Sequence[TokenTree], max_nodes: int | None = None) -> Tok
                 continue
             remap.append(merged.add(parent, tok, drafts))
     return merged
+
+
+def renumber_sources(tree: TokenTree, base: int) -> TokenTree:
+    """``tree`` with every draft's source id shifted by ``base``: a tree drafted elsewhere,
+    merged with the verifier's own drafts, must keep its sources distinct from theirs."""
+    if not len(tree) or base == 0:
+        return tree
+    out = TokenTree()
+    for tok, parent, drafts in zip(tree.tokens, tree.parents, tree.drafts, strict=True):
+        out.add(parent, tok, [dataclasses.replace(d, source=d.source + base) for d in drafts])
+    return out
 
 
 # A draft function maps a batch of paths (token lists below the root; [] is the root

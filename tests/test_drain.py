@@ -108,9 +108,9 @@ def test_draining_verifiers_lose_nothing(stack):
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "shutting down" in refused.value.details()
             results = await task
-            decoded = await stub.Decode(verifier_pb2.DecodeRequest(items=[
-                verifier_pb2.DecodeItem(sequence_id="held",
-                                        root_token=held.results[0].token)]), timeout=10)
+            decoded = await stub.Step(verifier_pb2.StepRequest(items=[
+                verifier_pb2.StepItem(sequence_id="held",
+                                      root_token=held.results[0].token)]), timeout=10)
             assert len(decoded.results) == 1
             assert p1.poll() is None, "exited with a live sequence"
             await stub.Release(verifier_pb2.ReleaseRequest(sequence_ids=["held"]), timeout=10)

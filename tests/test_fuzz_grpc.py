@@ -1,5 +1,5 @@
 """Fuzzing every RPC of the three gRPC services (Router Generate/GenerateStream,
-Speculator Speculate/SpeculateStream, Verifier Prefill/Verify/Decode/Release/Info) as real
+Speculator Speculate/SpeculateStream, Verifier Prefill/Step/Release/Info) as real
 processes (tiny random Llama over SmolLM2's tokenizer), with hypothesis. Each call sends one
 of: random bytes; a valid request; a message with random field values, built from the
 message's descriptor (integers at their extremes, floats incl. NaN and infinities, huge
@@ -184,7 +184,7 @@ def messages(draw, desc: descriptor.Descriptor, depth: int = 0):
 
 class Live:
     """The fuzzed verifier's sequences the test keeps alive: each one's last token (the
-    root the next Verify or Decode must name) and cached tokens."""
+    root the next Step must name) and cached tokens."""
 
     def __init__(self, channel: grpc.Channel) -> None:
         self.stub = verifier_pb2_grpc.VerifierStub(channel)
@@ -210,13 +210,10 @@ class Live:
             for r in verifier_pb2.PrefillResponse.FromString(response).results:
                 if r.sequence_id in LIVE:
                     self.roots[r.sequence_id], self.cached[r.sequence_id] = r.token, MAX_CONTEXT
-        elif method in ("Verify", "Decode"):
-            cls = verifier_pb2.VerifyResponse if method == "Verify" else \
-                verifier_pb2.DecodeResponse
-            for r in cls.FromString(response).results:
+        elif method == "Step":
+            for r in verifier_pb2.StepResponse.FromString(response).results:
                 if r.sequence_id in LIVE:
-                    tokens = list(r.tokens) if method == "Verify" else [r.token]
-                    self.roots[r.sequence_id] = tokens[-1]
+                    self.roots[r.sequence_id] = r.tokens[-1]
                     self.cached[r.sequence_id] = r.cached_tokens
 
     def release_others(self, request: bytes) -> None:
@@ -273,17 +270,18 @@ def valid_requests(draw, method: str, live: Live):
             sequence_id="fz-0", token_ids=tokens, sampling=_sampling(draw))])
     sid = draw(st.sampled_from(LIVE))
     root = live.roots.get(sid, 0)
-    if method == "Verify":
-        item = verifier_pb2.VerifyItem(sequence_id=sid, root_token=root)
+    if method == "Step":  # a plain row, a sent tree, own drafts, or a tree and own drafts
+        item = verifier_pb2.StepItem(sequence_id=sid, root_token=root)
         if draw(st.booleans()):
             item.tree.tokens.extend([tokens[0], tokens[0] + 1, 5][:3])
             item.tree.parents.extend([-1, -1, 0])
-        else:
-            item.draft_nodes = draw(st.integers(0, 8))
-        return verifier_pb2.VerifyRequest(items=[item])
-    if method == "Decode":
-        return verifier_pb2.DecodeRequest(items=[verifier_pb2.DecodeItem(
-            sequence_id=sid, root_token=root, shadow_nodes=draw(st.integers(0, 4)))])
+        if draw(st.booleans()):
+            item.draft.sources.append("model_free")
+            item.draft.max_nodes = draw(st.integers(3, 8))
+        if draw(st.booleans()):
+            item.shadow.sources.append("model_free")
+            item.shadow.max_nodes = draw(st.integers(0, 4))
+        return verifier_pb2.StepRequest(items=[item])
     if method == "Release":
         return verifier_pb2.ReleaseRequest(sequence_ids=["fz-0", "nobody"])
     return verifier_pb2.InfoRequest()

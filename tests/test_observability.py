@@ -147,9 +147,9 @@ def test_one_http_request_is_one_trace_across_the_three_services(stack, receiver
             assert s.attributes["specinfer.batch_size"] >= 1
     (release,) = by_name["specinfer.v1.Verifier/Release"]  # the slot freed in the trace too
     assert release.parent_id == req.span_id
-    verifies = by_name.get("Verify", []) + by_name.get("Decode", [])
+    verifies = by_name.get("Step", [])
     assert len(verifies) == len(steps)
-    for v in by_name.get("Verify", []):
+    for v in verifies:
         assert {"specinfer.batch_size", "specinfer.tree_nodes",
                 "specinfer.accepted_tokens"} <= set(v.attributes)
         assert v.attributes["specinfer.speculation_mode"] == "tree"  # --speculation always
@@ -205,7 +205,7 @@ def test_a_batched_call_is_in_one_trace_and_links_the_others(stack, receiver):
     linked = [(s, link) for t in traces for s in t for link in s.links]
     assert linked, "no call was shared by the concurrent requests"
     for s, (trace_id, span_id) in linked:
-        assert s.name in ("Prefill", "Speculate", "Verify", "Decode")
+        assert s.name in ("Prefill", "Speculate", "Step")
         assert (trace_id, span_id) in requests and trace_id != s.trace_id
 
 
@@ -213,6 +213,7 @@ def test_router_metrics_match_the_responses(stack):
     """Counts, tokens and speculation counters on the router's /metrics move exactly by
     what the responses themselves report."""
     before = _scrape(f"{stack['http']}/metrics")
+    verifier_before = _scrape(stack["verifier_metrics"])
     with Client(stack["addr"]) as c:
         outs = [c.generate("The quick brown fox", max_tokens=20),
                 c.generate("def fibonacci(n):", max_tokens=12, temperature=0.8, seed=3),
@@ -243,6 +244,10 @@ def test_router_metrics_match_the_responses(stack):
     assert delta(p + "spec_decode_num_accepted_tokens_per_pos_total", position="0") == \
         sum(a >= 2 for a in steps)
     assert delta(p + "steps_total") == len(steps)  # one request at a time: a step each
+    # One Step call, one forward pass, per router step (mixed rows or not).
+    verifier_after = _scrape(stack["verifier_metrics"])
+    assert _total(verifier_after, p + "verifier_forward_passes_total") - \
+        _total(verifier_before, p + "verifier_forward_passes_total") == len(steps)
     assert delta(p + "time_to_first_token_seconds_count") == len(stats)
     assert delta(p + "e2e_request_latency_seconds_count") == len(stats)
     assert delta(p + "inter_token_latency_seconds_count") == sum(generated) - len(stats)
@@ -280,7 +285,7 @@ def test_verifier_metrics_show_the_kv_cache_in_use(stack):
     after = poll(released, timeout=10)
     assert after and _total(after, "specinfer:kv_cache_usage_perc") == 0
     assert _total(after, "specinfer:verifier_step_seconds_count", rpc="Prefill") >= 1
-    assert _total(after, "specinfer:verifier_step_seconds_count", rpc="Verify") >= 1
+    assert _total(after, "specinfer:verifier_step_seconds_count", rpc="Step") >= 1
     spec = _scrape(stack["speculator_metrics"])
     assert _total(spec, "specinfer:speculate_seconds_count") >= 1
     assert _total(spec, "specinfer:speculator_tree_nodes_total") >= 1

@@ -101,19 +101,19 @@ def test_stages_started_as_separate_commands(tiny_llama, reference):
                 for s, p in zip(ids, prompts, strict=True)]), timeout=60)
             tokens = [[r.token] for r in first.results]
             for _ in range(11):
-                out = stub.Decode(verifier_pb2.DecodeRequest(items=[
-                    verifier_pb2.DecodeItem(sequence_id=s, root_token=t[-1])
+                out = stub.Step(verifier_pb2.StepRequest(items=[
+                    verifier_pb2.StepItem(sequence_id=s, root_token=t[-1])
                     for s, t in zip(ids, tokens, strict=True)]), timeout=60)
                 for t, r in zip(tokens, out.results, strict=True):
-                    t.append(r.token)
+                    t.extend(r.tokens)
             assert tokens == reference[1]  # plain decoding in one process
 
             os.killpg(stage1.pid, signal.SIGKILL)
             stage1.wait()
             start = time.monotonic()
             with pytest.raises(grpc.RpcError) as err:
-                stub.Decode(verifier_pb2.DecodeRequest(items=[
-                    verifier_pb2.DecodeItem(sequence_id=s, root_token=t[-1])
+                stub.Step(verifier_pb2.StepRequest(items=[
+                    verifier_pb2.StepItem(sequence_id=s, root_token=t[-1])
                     for s, t in zip(ids, tokens, strict=True)]), timeout=60)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "lost a rank" in err.value.details()

@@ -206,13 +206,13 @@ def test_streams_open_and_close_as_discovery_changes_the_pool(tiny_llama, tiny_s
 async def _follow_the_pool(a: str, b: str) -> None:
     from services.router.drafting import SpeculatorPool
     from services.router.metrics import RouterMetrics
-    from services.router.policy import SpeculationMode
+    from services.router.policy import SpeculatorPlan
     from services.router.request import GenRequest, Replica
     from specinfer.sampling import SamplingParams
 
     pool = SpeculatorPool([a], RouterMetrics("m"), stream=True)
     await pool.await_serving(60)
-    mode = SpeculationMode("tree", expansion=tuple(TREE.expansion))
+    plan = SpeculatorPlan(TREE.max_nodes, tuple(TREE.expansion))
     reqs = [GenRequest(list(range(3, 3 + n)), 64, SamplingParams()) for n in (5, 9)]
     for r in reqs:
         r.replica = Replica("verifier", None, None, max_tree_nodes=32, max_context=512)
@@ -222,7 +222,7 @@ async def _follow_the_pool(a: str, b: str) -> None:
         """One step's trees from the pool, checked against ``addr``'s unary call; returns
         the histories' lengths it drafted for."""
         drafted_for = {r.id: len(r.history) for r in reqs}
-        trees = await pool.speculate(reqs, TREE.max_nodes, mode)
+        trees = await pool.speculate(reqs, [plan] * len(reqs), "tree")
         unary = await speculator_pb2_grpc.SpeculatorStub(channels[addr]).Speculate(
             speculator_pb2.SpeculateRequest(items=[speculator_pb2.SpeculateItem(
                 sequence_id=r.id, context=r.history, sampling=GREEDY, tree=TREE)

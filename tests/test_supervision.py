@@ -24,6 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers import free_port, start
 
+from services.router.config import RouterConfig
 from services.router.request import GenRequest
 from services.router.scheduler import Scheduler
 from services.stack import Supervised, Supervisor, service_processes
@@ -211,7 +212,7 @@ def test_a_verifier_stalled_past_a_step_timeout_gets_its_sequences_back(up):
             out += payload
 
     async def main() -> tuple[list[int], list[int]]:
-        scheduler = Scheduler([addr], [], eos_ids=[], step_timeout_s=1.0)
+        scheduler = Scheduler(RouterConfig(), verifiers=[addr], eos_ids=[], step_timeout_s=1.0)
         await scheduler.start()
         try:
             want = GenRequest([1, 2, 3, 4], 100, SamplingParams())
