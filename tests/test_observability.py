@@ -261,6 +261,41 @@ def test_router_metrics_match_the_responses(stack):
     assert _total(after, "process_cpu_seconds_total") > 0
 
 
+def test_a_mixed_batch_is_one_forward_pass_a_step(stack):
+    """Requests with and without speculation stepped together: each router step is one
+    Step call, one forward pass of the verifier, whatever rows it mixes."""
+    router_before = _scrape(f"{stack['http']}/metrics")
+    verifier_before = _scrape(stack["verifier_metrics"])
+    prompts = [("Tell me a story about a cat", True), ("Count to twenty:", False),
+               ("Write a poem", True), ("List the planets", False)]
+    outs: dict[str, object] = {}
+
+    def run(prompt: str, speculation: bool) -> None:
+        with Client(stack["addr"]) as c:
+            outs[prompt] = c.generate(prompt, max_tokens=40, speculation=speculation)
+
+    threads = [threading.Thread(target=run, args=p) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outs) == len(prompts)
+    router_after = _scrape(f"{stack['http']}/metrics")
+    verifier_after = _scrape(stack["verifier_metrics"])
+    steps = _total(router_after, "specinfer:steps_total") - \
+        _total(router_before, "specinfer:steps_total")
+    passes = _total(verifier_after, "specinfer:verifier_forward_passes_total") - \
+        _total(verifier_before, "specinfer:verifier_forward_passes_total")
+    assert steps > 0 and passes == steps
+    # Fewer passes than the requests' own steps added up: rows shared steps.
+    assert passes < sum(o.stats.steps for o in outs.values())
+    # Only the speculating requests drafted; the others decoded one token a step.
+    for (prompt, speculation) in prompts:
+        stats = outs[prompt].stats
+        assert (stats.drafted_tokens > 0) == speculation
+        assert speculation or all(a == 1 for a in stats.accepted_per_step)
+
+
 def _prompt_tokens(stack, prompt: str) -> int:
     with Client(stack["addr"]) as c:  # speculation off: one more request, same prompt
         return c.generate(prompt, max_tokens=1, speculation=False).prompt_tokens
