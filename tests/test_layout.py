@@ -102,3 +102,21 @@ def test_speculation_modes_load_without_torch():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["['adaptive',", "'always',", "'head',", "'lookup',",
                                   "'merged',", "'overlap']"]
+
+
+def test_tests_start_services_only_through_servers():
+    """One way to start a service in the tests (tests/servers.py: ``start``, ``service``,
+    ``cli``, ``Stack``): no other test file calls Popen or spells ``python -m services``."""
+    command = ["-m", "services"]
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        if path.name in ("servers.py", "test_layout.py"):  # the helper; this check
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            popen = isinstance(node, ast.Call) and "Popen" in (
+                getattr(node.func, "attr", None), getattr(node.func, "id", None))
+            words = [e.value for e in node.elts if isinstance(e, ast.Constant)] \
+                if isinstance(node, ast.List | ast.Tuple) else []
+            if popen or any(words[i:i + 2] == command for i in range(len(words))):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, offenders
