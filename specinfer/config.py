@@ -7,8 +7,8 @@ takes). From that one declaration come the argparse parser (:func:`add_arguments
 parsed value (:func:`from_namespace`, :func:`parse`), its checks (bounds and choices here,
 anything across fields in the class's ``check``, each error naming the flag) and the command
 line that starts a service with given values (:func:`to_argv`). ``specinfer up`` forwards its
-own fields to the services it starts: a field declared with ``to=`` (:func:`forward` copies
-a service's declaration) goes to each config class named there (:func:`forwarded`).
+own fields to the services it starts: a field declared by :func:`forward` (a copy of a
+service's declaration) goes to each config class its ``to`` names (:func:`forwarded`).
 """
 
 from __future__ import annotations
@@ -67,22 +67,21 @@ def _number(bound: float) -> str:
 
 
 def flag(default: Any = None, help: str = "", *, type: Callable[[str], Any] | None = None,
-         to: Sequence[type] = (), **how: Any) -> Any:
+         **how: Any) -> Any:
     """A field that is one flag. ``type`` defaults to the default's (str for None, a switch
-    for a bool); ``how`` takes :class:`Flag`'s other fields; ``to``: the config classes
-    ``up`` forwards the value to."""
+    for a bool); ``how`` takes :class:`Flag`'s other fields."""
     if isinstance(default, bool):
         how["switch"] = True
     kind = type or (str if default is None or isinstance(default, tuple) else default.__class__)
     spec = Flag(help=help, type=kind, **how)
     if spec.choices is not None:
         spec = dataclasses.replace(spec, choices=tuple(spec.choices))
-    return dataclasses.field(default=default, metadata={_FLAG: spec, _TO: tuple(to)})
+    return dataclasses.field(default=default, metadata={_FLAG: spec})
 
 
-def group(cls: type[Flags], *, to: Sequence[type] = ()) -> Any:
+def group(cls: type[Flags]) -> Any:
     """A field holding a group of flags declared by ``cls`` (its defaults by default)."""
-    return dataclasses.field(default_factory=cls, metadata={_GROUP: cls, _TO: tuple(to)})
+    return dataclasses.field(default_factory=cls, metadata={_GROUP: cls})
 
 
 def forward(source: type[Flags], name: str, *, to: Sequence[type[Flags]] | None = None,

@@ -123,7 +123,7 @@ def test_every_forwarded_field_is_declared_by_its_service():
     """``up``'s value for a field reaches a service only if that service declares it the
     same way: same flag, type and choices."""
     for f in dataclasses.fields(UpConfig):
-        for service in f.metadata["to"]:
+        for service in f.metadata.get("to", ()):
             declared = {g.name: g for g in dataclasses.fields(service)}[f.name]
             if "flag" in f.metadata:
                 ours, theirs = f.metadata["flag"], declared.metadata["flag"]
