@@ -259,6 +259,7 @@ def head_verifier(processes, tiny_chat_llm, tmp_path_factory) -> str:
                            "--slots", "4", "--max-context", "512", "--threads", "1").wait().addr
 
 
+@pytest.mark.parametrize("mode", ["head", "merged"])
 def test_head_and_merged_modes_draft_with_the_verifiers_draft_head(stack, reference,
                                                                   tiny_chat_llm,
                                                                   head_verifier, mode):
