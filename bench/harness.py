@@ -42,8 +42,12 @@ class Stack:
     which it picks free), in its own process group. Its output goes to ``log``; by default
     a temporary file, removed after a clean stop and named in the error if it fails."""
 
-    def __init__(self, flags: Sequence[str] = (), log: Path | None = None) -> None:
+    def __init__(self, flags: Sequence[str] = (), log: Path | None = None,
+                 code: Path | None = None) -> None:
         self.flags = list(flags)
+        # Another checkout's code for the stack (e.g. a git worktree of an older commit):
+        # the same harness times both sides of a change.
+        self.code = code
         self.port, self.http_port = free_port(), free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.http = f"http://127.0.0.1:{self.http_port}"
@@ -62,7 +66,8 @@ class Stack:
                 [sys.executable, "-m", "services", "up", "--port", str(self.port),
                  "--http-port", str(self.http_port), *self.flags],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                cwd=self.code, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                    **({"PYTHONPATH": str(self.code)} if self.code else {})})
         return self
 
     def wait(self, timeout: float = 900.0) -> float:

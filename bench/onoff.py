@@ -7,9 +7,11 @@ writes JSON with ``--out``.
 
     python -m bench.onoff [--streams 1,2,4,8] [--new-tokens 128] [--per-category 1]
                           [--reps 1] [--temperature 0] [--seed 0] [--out FILE]
-                          [--up "--speculation lookup ..."]
+                          [--up "--speculation lookup ..."] [--code DIR]
 
-The default stack is ``specinfer up`` with its defaults; ``--up`` adds flags to it.
+The default stack is ``specinfer up`` with its defaults; ``--up`` adds flags to it;
+``--code`` runs it from another checkout (before/after a change: ``git worktree add DIR
+COMMIT``).
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="per request: seed + its index")
     ap.add_argument("--up", default="", help="more flags for specinfer up, one string")
     ap.add_argument("--out", type=Path, default=None, help="JSON of the rows")
+    ap.add_argument("--code", type=Path, default=None,
+                    help="run the stack from this checkout (default: this one)")
     args = ap.parse_args()
     prompts = mtbench_prompts(args.per_category)[: args.prompts or None]
     levels = [int(n) for n in args.streams.split(",")]
-    with Stack(shlex.split(args.up)) as stack:
+    with Stack(shlex.split(args.up), code=args.code) as stack:
         rows = speculation_on_off(stack.addr, prompts, levels, new_tokens=args.new_tokens,
                                   reps=args.reps, temperature=args.temperature,
                                   seed=args.seed if args.temperature > 0 else None)
