@@ -14,10 +14,10 @@ tokens are identical and where the first difference falls; writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
+from bench.harness import write_report
 from services.verifier.engine import EngineConfig
 from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
@@ -79,10 +79,7 @@ def main() -> None:
         print(f"{name:<9} identical {same}/{len(prompts)} ({share:.1%}); differing prompts "
               f"part at tokens {sorted(diffs)}; {sum(accepted) / len(accepted):.2f} "
               f"tokens/step", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_report(Path(args.out), report)
 
 
 if __name__ == "__main__":

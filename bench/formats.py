@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import Stack, mtbench_prompts, speculation_on_off
+from bench.harness import Stack, mtbench_prompts, speculation_on_off, write_report
 from specinfer.chat import chat_prompt_ids
 from specinfer.models import DEFAULT_LLM, load_model, load_tokenizer, resolve
 
@@ -106,10 +106,7 @@ def main() -> None:
               f"  on {row['on']['tokens_per_s']:5.1f} tok/s "
               f"({row['on']['tokens_per_s'] / base:.2f}x, "
               f"{row['on']['accepted_per_step']:.2f} tokens/step)", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_report(Path(args.out), report)
 
 
 if __name__ == "__main__":

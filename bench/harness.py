@@ -13,6 +13,7 @@ speculation off and on per request (:func:`speculation_on_off`, the request's
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import statistics
@@ -285,3 +286,10 @@ def format_on_off(rows: list[dict]) -> str:
             f"{num(off['tpot_p50_ms'], '.0f')} / {num(on['tpot_p50_ms'], '.0f')} | "
             f"{r['identical'] or '–'} |")
     return "\n".join(lines)
+
+
+def write_report(path: Path, report: dict) -> None:
+    """A benchmark's JSON report, its folder made if need be."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")

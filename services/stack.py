@@ -252,18 +252,14 @@ def run(config: UpConfig) -> int:
     signal.signal(signal.SIGINT, stop)
     # Share the cores among the model processes.
     threads = max(1, (os.cpu_count() or 1) // max(1, config.verifiers * config.tp * config.pp))
-    verifiers = []
-    for _ in range(config.verifiers):
-        port = free_port()
-        verifiers.append(f"127.0.0.1:{port}")
-        services.append(Supervised("verifier", verifiers[-1], service_command(
-            config, "verifier", port=port, threads=threads, **metrics_port())))
-    speculators = []
-    for _ in range(config.speculators):
-        port = free_port()
-        speculators.append(f"127.0.0.1:{port}")
-        services.append(Supervised("speculator", speculators[-1], service_command(
-            config, "speculator", port=port, threads=threads, **metrics_port())))
+    addresses: dict[str, list[str]] = {"verifier": [], "speculator": []}
+    for role, count in (("verifier", config.verifiers), ("speculator", config.speculators)):
+        for _ in range(count):
+            port = free_port()
+            addresses[role].append(f"127.0.0.1:{port}")
+            services.append(Supervised(role, addresses[role][-1], service_command(
+                config, role, port=port, threads=threads, **metrics_port())))
+    verifiers, speculators = addresses["verifier"], addresses["speculator"]
     router = f"{config.host}:{config.port}"
     services.append(Supervised("router", router, service_command(
         config, "router", verifier=tuple(verifiers), speculator=tuple(speculators)),
