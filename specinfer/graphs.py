@@ -13,8 +13,12 @@ padding run without capture (so CPU tests check them).
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from specinfer.runtime import LlamaRuntime
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +35,7 @@ def buckets(limit: int) -> list[int]:
 class _Graph:
     """One captured layer loop and its static inputs and output."""
 
-    def __init__(self, runtime, batch: int, queries: int, pool) -> None:
+    def __init__(self, runtime: LlamaRuntime, batch: int, queries: int, pool) -> None:
         rt = runtime
         dev, slot_len = rt.device, rt.cache.slot_len
         self.hidden = torch.zeros(batch, queries, rt.config.hidden_size, dtype=rt.dtype,
@@ -52,24 +56,24 @@ class _Graph:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):  # warm up: lazy inits and autotuning happen outside capture
-                rt._layers(*args)
+                rt.layer_loop(*args)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool), torch.inference_mode():
-            self.out = rt._layers(*args)
+            self.out = rt.layer_loop(*args)
 
     def replay(self) -> None:
         if self.graph is not None:
             self.graph.replay()
         else:
             with torch.inference_mode():
-                self.out = self.runtime._layers(*self.args)
+                self.out = self.runtime.layer_loop(*self.args)
 
 
 class GraphedLayers:
-    """The runtime's ``_layers`` through captured graphs where a bucket fits."""
+    """The runtime's ``layer_loop`` through captured graphs where a bucket fits."""
 
-    def __init__(self, runtime, max_queries: int) -> None:
+    def __init__(self, runtime: LlamaRuntime, max_queries: int) -> None:
         self.runtime = runtime
         self.batches = buckets(runtime.cache.k.shape[1] - 1)  # the last slot is scratch
         self.queries = buckets(max_queries)
@@ -89,7 +93,7 @@ class GraphedLayers:
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  offsets: torch.Tensor, visible: torch.Tensor | None, key_len: int
                  ) -> torch.Tensor:
-        """Same contract as ``LlamaRuntime._layers`` (1-D ``slots``)."""
+        """Same contract as ``LlamaRuntime.layer_loop`` (1-D ``slots``)."""
         b, q, _ = hidden.shape
         bb = next(n for n in self.batches if n >= b)
         qb = next(n for n in self.queries if n >= q)

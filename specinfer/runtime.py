@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from specinfer import linears
 from specinfer.placement import Placement
+from specinfer.tree import additive_mask
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,6 @@ class KVCache:
     @property
     def slot_len(self) -> int:
         return self.k.shape[2]
-
-    @property
-    def bytes_per_token(self) -> int:
-        _, _, _, heads, dim = self.k.shape
-        return 2 * self.k.shape[0] * heads * dim * self.k.element_size()
 
     def compact(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Move positions ``src`` to ``dst`` in every layer (the accepted path, kept
@@ -112,13 +108,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean ``[B, Q, K]`` visibility as SDPA's additive ``[B, 1, Q, K]`` mask."""
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask[:, None]
-
-
 class LlamaRuntime:
     """Runs layers ``[first_layer, last_layer)`` of a Llama-family model.
 
@@ -184,7 +173,7 @@ class LlamaRuntime:
         self.model: torch.nn.Module | None = None  # the transformers model, with from_model
         self._compiled = None
         if placement.compile and not placement.cuda:
-            self._compiled = torch.compile(self._layers, dynamic=True)
+            self._compiled = torch.compile(self.layer_loop, dynamic=True)
         log.info("runtime ready", extra={"placement": placement.describe(),
                                          "layers": [self.first_layer, self.last_layer]})
 
@@ -242,7 +231,7 @@ class LlamaRuntime:
             key_len = int(offsets.max()) + (1 if offsets.dim() == 2 else hidden.shape[1])
         if self._graphs is not None and self._graphs.fits(hidden.shape[0], hidden.shape[1]):
             return self._graphs(hidden, positions, slots, offsets, visible, key_len)
-        step = self._compiled or self._layers
+        step = self._compiled or self.layer_loop
         return step(hidden, positions, slots, offsets, visible, key_len)
 
     def capture_graphs(self, max_queries: int) -> None:
@@ -253,10 +242,12 @@ class LlamaRuntime:
 
             self._graphs = GraphedLayers(self, max_queries)
 
-    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                offsets: torch.Tensor, visible: torch.Tensor | None, key_len: int
-                ) -> torch.Tensor:
-        """The layer loop: device tensors only, no host reads (graph-capturable)."""
+    def layer_loop(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   offsets: torch.Tensor, visible: torch.Tensor | None, key_len: int
+                   ) -> torch.Tensor:
+        """The layer loop itself, eager: device tensors only, no host reads, so CUDA graphs
+        capture it and ``torch.compile`` compiles it (``layers_forward`` picks which runs).
+        ``slots`` may also be ``[B, Q]``: each query's write slot (graph padding)."""
         b, q, _ = hidden.shape
         act, attn_dtype = hidden.dtype, self.attn_dtype
         cos, sin = self.rotary_emb(hidden[:, :, :1].to(attn_dtype), positions)
@@ -267,8 +258,8 @@ class LlamaRuntime:
             write_slot, slots = slots, slots[:, 0]
         else:
             write_slot = slots[:, None].expand(b, q)
-        mask = None if visible is None else _additive(visible, attn_dtype)
-        window_masks = {w: _additive(self._window_visible(
+        mask = None if visible is None else additive_mask(visible, attn_dtype)
+        window_masks = {w: additive_mask(self._window_visible(
             visible, positions, slots, write_slot, write_pos, key_len, w), attn_dtype)
             for w in set(self.windows) if w is not None and key_len > w}
         single = b == 1 and not hidden.is_cuda  # (indexing by a device scalar syncs)

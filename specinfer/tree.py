@@ -94,17 +94,9 @@ class TokenTree:
     def path_tokens(self, node: int) -> list[int]:
         return [self.tokens[i] for i in self.path(node)]
 
-    def leaves(self) -> list[int]:
-        has_child = set(self.parents)
-        return [i for i in range(len(self)) if i not in has_child]
-
     def paths(self) -> set[tuple[int, ...]]:
         """Every root-to-node token path (prefixes included)."""
         return {tuple(self.path_tokens(i)) for i in range(len(self))}
-
-    @property
-    def max_depth(self) -> int:
-        return max(self.depths, default=0)
 
     @classmethod
     def from_arrays(
@@ -289,7 +281,6 @@ class TreeBatch:
     tokens: torch.Tensor  # [B, Q] int64
     position_ids: torch.Tensor  # [B, Q] int64
     ancestors: torch.Tensor  # [B, Q, Q] bool: query i may see query j
-    num_queries: torch.Tensor  # [B] int64 (1 + nodes)
     prefix_lens: torch.Tensor  # [B] int64: tokens already in each sequence's KV cache
 
     @classmethod
@@ -313,8 +304,7 @@ class TreeBatch:
                 anc[row, 1 : n + 1, 1 : n + 1] = tree.ancestors()
                 anc[row, 1 : n + 1, 0] = True  # every node descends from the root
         prefix = torch.tensor(list(prefix_lens), dtype=torch.long)
-        num = torch.tensor([1 + len(t) for t in trees], dtype=torch.long)
-        return cls(tokens, prefix[:, None] + depth, anc, num, prefix)
+        return cls(tokens, prefix[:, None] + depth, anc, prefix)
 
     def attention_mask(
         self,
@@ -355,7 +345,8 @@ class TreeBatch:
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Bool ``[B, Q, K]`` → additive ``[B, 1, Q, K]``: 0 where visible, dtype's min elsewhere."""
-    mask = torch.zeros(visible.shape, dtype=dtype)
+    """Bool ``[B, Q, K]`` → SDPA's additive ``[B, 1, Q, K]`` on ``visible``'s device: 0 where
+    visible, dtype's min elsewhere."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[:, None]

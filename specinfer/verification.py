@@ -42,12 +42,6 @@ def verify_greedy(argmax: torch.Tensor, tree: TokenTree) -> Accepted:
         node = child
 
 
-def verify_greedy_batch(logits: torch.Tensor, trees: Sequence[TokenTree]) -> list[Accepted]:
-    """``logits``: ``[B, Q, V]`` for a ``TreeBatch``; one argmax for the whole batch."""
-    argmax = logits.argmax(-1).cpu()
-    return [verify_greedy(argmax[b], tree) for b, tree in enumerate(trees)]
-
-
 def _drafts_in_order(tree: TokenTree, node: int) -> list[tuple[int, Draft]]:
     """The drafts of ``node``'s children in the order they were drawn: by source, then by
     draw rank. Never by value: sorting i.i.d. drafts by probability biases the output."""

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from specinfer.data import mtbench_questions
+from specinfer.data import mtbench_questions, select_conversations
 from specinfer.drafting import DraftRequest
 from specinfer.drafting.head import load_head
 from specinfer.drafting.ssm import SSMDrafter
@@ -21,14 +21,14 @@ from specinfer.training.boost import (
     boost_tune,
     llm_top1,
     load_chunks,
-    select_prompts,
 )
 from specinfer.training.examples import answer_example
 from specinfer.training.head import HeadConfig, head_covers, train_head_pipeline
 
 
-def test_prompts_exclude_mtbench(tmp_path):
-    train, held = select_prompts(BoostConfig(llm="", out=tmp_path, prompts=500, heldout=50))
+def test_prompts_exclude_mtbench():
+    conversations, held = select_conversations(500, 50)
+    train = [turns[0]["value"].strip() for turns in conversations]
     assert len(train) == 500 and len(held) == 50 and not set(train) & set(held)
     banned = {t.strip().lower() for q in mtbench_questions() for t in q["turns"]}
     assert not {p.lower() for p in train + held} & banned

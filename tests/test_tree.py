@@ -110,12 +110,6 @@ def test_batch_mask_sees_prefix_ancestors_and_self_only(rows, shared_offset):
             assert batch.tokens[b, 1 + i] == tree.tokens[i]
 
 
-def test_leaves_and_paths():
-    tree = tree_from_paths([[1, 2, 3], [1, 4], [5]])
-    assert sorted(tree.path_tokens(n) for n in tree.leaves()) == [[1, 2, 3], [1, 4], [5]]
-    assert tree.max_depth == 3
-
-
 def test_from_arrays_rejects_malformed_trees():
     with pytest.raises(ValueError, match="precede"):
         TokenTree.from_arrays([1, 2], [1, ROOT])

@@ -95,13 +95,7 @@ class BoostConfig:
     complement_topk: int = 1
 
 
-# --- 1. prompts ---------------------------------------------------------------------------
-
-
-def select_prompts(cfg: BoostConfig) -> tuple[list[str], list[str]]:
-    """First-turn prompts of the training and held-out splits."""
-    train, heldout = select_conversations(cfg.prompts, cfg.heldout, cfg.seed)
-    return [t[0]["value"].strip() for t in train], heldout
+# --- 1. prompts: specinfer.data.select_conversations, split once by boost_tune ------------
 
 
 # --- 2. on-policy answers -----------------------------------------------------------------
