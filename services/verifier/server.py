@@ -184,7 +184,7 @@ async def serve(build, host: str, port: int, grace_s: float = 10.0,
                            verifier_pb2_grpc.add_VerifierServicer_to_server,
                            verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
                            build, host, port, grace_s, close=lambda e: e.executor.close(),
-                           healthy=lambda e: getattr(e.executor, "healthy", True),
+                           healthy=lambda e: e.executor.healthy,
                            credentials=credentials, drain=drain)
     finally:
         sweeper.cancel()
