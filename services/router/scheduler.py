@@ -35,6 +35,7 @@ from services.router.policy import (
     NO_DRAFTS,
     SPECULATION_CHOICES,
     Budgets,
+    SpeculationMode,
     SpeculationPolicy,
     StepPlan,
     plan_step,
@@ -291,6 +292,8 @@ class Scheduler:
     # --- one iteration: plan, draft, step, emit ---------------------------------------
 
     async def _step(self) -> None:
+        """One iteration of the running batch: plan, draft, step (emitting as each
+        replica answers), then the policy learns what the step cost and yielded."""
         started = time.monotonic()
         batch = list(self.running)
         before = {r.id: len(r.generated) for r in batch}
@@ -358,7 +361,7 @@ class Scheduler:
         chosen = set(self.policy.best(greedy, index, ids, at_most) if partial else ids)
         return index, [r for r in candidates if r.id in chosen]
 
-    def _can_run(self, mode, speculating: int) -> bool:
+    def _can_run(self, mode: SpeculationMode, speculating: int) -> bool:
         if mode.plain:
             return True
         if mode.overlap and speculating < 2:
