@@ -175,3 +175,30 @@ def test_shadow_yields_measure_an_arm_without_running_it():
         policy.record(1, True, 0, seconds=1.0)
         policy.record_yield(True, 1, "a", 2)
     assert policy.choose(1, True, sequences=("a",)) == 1
+
+
+def test_a_partial_step_speculates_for_the_sequences_whose_drafts_fit_best():
+    """Past the speculating limit, a mode's rate counts only its ``at_most`` best sequences'
+    own yields; every other sequence decodes plain (one token). So a mode whose drafts fit
+    two sequences of eight wins a partial step although its pooled yield would not pay for
+    the whole batch, and the policy picks those two."""
+    policy = SpeculationPolicy(2, explore_every=1000, prior_steps=1.0)
+    seqs = tuple(f"s{i}" for i in range(8))
+    for _ in range(40):  # drafts fit s2 and s5 (4 tokens a step), no other sequence
+        for seq in seqs:
+            policy.record_yield(True, 1, seq, 4 if seq in ("s2", "s5") else 1)
+    assert policy.best(True, 1, seqs, 2) == ("s2", "s5")
+    policy.record(8, True, 0, seconds=0.100)  # plain: 8 tokens in 100 ms
+    policy.record(8, True, 1, seconds=0.110)  # partial: 2 trees cost 10% more
+    key = policy._key(8, True)
+    partial = policy.rate(key, 1, 8, seqs, at_most=2)
+    assert partial == pytest.approx((6 + 2 * policy.tokens_per_step(True, 1, "s2")) / 0.110)
+    assert partial > policy.rate(key, 0, 8, seqs, at_most=2) == pytest.approx(80)
+    assert policy.choose(8, True, sequences=seqs, at_most=2) == 1
+    # Drafts that fit no sequence: plain wins the same step.
+    flat = SpeculationPolicy(2, explore_every=1000)
+    for seq in seqs:
+        flat.record_yield(True, 1, seq, 1)
+    flat.record(8, True, 0, seconds=0.100)
+    flat.record(8, True, 1, seconds=0.110)
+    assert flat.choose(8, True, sequences=seqs, at_most=2) == 0
