@@ -42,7 +42,7 @@ class RequestLifecycle:
                     logprobs: list[common_pb2.TokenLogprob], step: bool,
                     drafted: int = 0) -> None:
         """Append a step's tokens and their logprobs (empty unless asked for) to the
-        request and its stream; ``step``: an LLM step (Verify/Decode), not the prefill's
+        request and its stream; ``step``: an LLM step (a Step call), not the prefill's
         first token, with a tree of ``drafted`` nodes."""
         if req.params.logprobs is not None and len(logprobs) != len(tokens):
             self.fail(req, ServiceError(f"the verifier returned {len(logprobs)} logprobs "

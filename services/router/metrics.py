@@ -5,7 +5,7 @@ Request metrics as vLLM names them (prefix ``specinfer:``), the ``spec_decode_*`
 with vLLM's meaning (a *draft* is one speculative step of one sequence; its draft tokens
 are the tree's nodes; accepted tokens are the step's tokens past the first, the LLM's own,
 so a step that emitted n tokens accepted n - 1 at positions 0..n-2), and what only
-specinfer has: steps per speculation mode, Speculate and Verify/Decode latency by tree
+specinfer has: steps per speculation mode, Speculate and Step latency by tree
 size, replica health and failovers.
 """
 
@@ -89,8 +89,8 @@ class RouterMetrics:
                                        "budget per tree (an upper bound).", LATENCY_BUCKETS,
                                        ("tree_nodes",))
         self.verify_latency = histogram("verify_latency_seconds",
-                                        "Verify and Decode calls, by nodes per tree (an "
-                                        "upper bound; 0: Decode).", LATENCY_BUCKETS,
+                                        "Prefill and Step calls, by nodes per tree (an upper "
+                                        "bound; 0: every row plain).", LATENCY_BUCKETS,
                                         ("rpc", "tree_nodes"))
         self.replica_healthy = Gauge(PREFIX + "replica_healthy",
                                      "1 while the router routes to a replica, 0 while it is "

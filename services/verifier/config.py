@@ -40,8 +40,8 @@ class VerifierConfig(Flags):
     prefill_chunk: int = flag(256)
     threads: int = flag(0, "torch threads per rank (0 = auto)")
     placement: PlacementFlags = group(PlacementFlags)
-    datastore: str = flag("auto", "corpus drafts for Verify items that ask the verifier to "
-                          "draft: " + DATASTORE_CHOICES)
+    datastore: str = flag("auto", "corpus drafts for Step items whose plan has the verifier "
+                          "draft (its model_free source): " + DATASTORE_CHOICES)
     draft_head: str = flag("auto", "a draft head on the LLM's features (specinfer "
                            "train-head): auto (the bundled one for the LLM, if any, with --tp 1 "
                            "--pp 1), none, or a directory")
