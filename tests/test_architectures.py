@@ -53,6 +53,7 @@ def _save(path, model_cls, config_cls, extra: dict):
     return model.eval()
 
 
+@pytest.mark.slow  # generate() against the engine on every variant
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_speculative_greedy_equals_generate(tmp_path, variant):
     model = _save(tmp_path, *VARIANTS[variant])

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 # Generous: a minute is mostly warm-up (the verifier grew up to ~50 MiB/min in its first
 # minute, ~11 MiB/min over five, decelerating); a leaked KV slot or logits row per request
@@ -17,6 +19,8 @@ SLOPE_MIB_PER_MIN = 100.0
 REFUSED = {"invalid_argument", "not_found"}  # a bad request's answers (a model not served)
 
 
+@pytest.mark.slow
+@pytest.mark.processes  # `specinfer up` under bench/soak.py
 def test_one_minute_soak_loses_nothing(tiny_chat_llm, tmp_path):
     out = tmp_path / "soak"
     run = subprocess.run(

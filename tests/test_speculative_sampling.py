@@ -43,6 +43,7 @@ def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
     return float(chi2_contingency(table).pvalue)
 
 
+@pytest.mark.slow  # chi-square tests over thousands of samples
 @pytest.mark.parametrize("params,dtype", [
     (SamplingParams(0.7), "float32"), (SamplingParams(1.0, top_p=0.8), "float32"),
     (SamplingParams(1.0, frequency_penalty=-2.0, presence_penalty=-2.0), "float32"),
@@ -86,6 +87,7 @@ def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params, d
         assert {s[2] for s in on} & suppressed
 
 
+@pytest.mark.slow  # chi-square tests over thousands of samples
 @pytest.mark.parametrize("merged", [False, True], ids=["head", "merged"])
 def test_the_verifiers_head_drafts_keep_the_distribution(tiny_llama, tmp_path, merged):
     """The same test for trees the verifier drafts itself: its draft head's sampled chain

@@ -101,6 +101,7 @@ def noisy_oracle(model, seed: int, depth: int = 4):
     return trees
 
 
+@pytest.mark.slow  # long generations against transformers', in both dtypes
 def test_batched_speculative_greedy_equals_transformers_generate(engine, hf_model, greedy):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (3, 17, 9, 30)]
