@@ -19,8 +19,6 @@ from specinfer.metrics import tree_size
 PROBE = """
 import json, sys, threading
 from opentelemetry import trace
-from servers import cli
-
 from specinfer import tracing
 on = tracing.setup_tracing("router", sys.argv[1] or None)
 span = tracing.request_span("probe")
