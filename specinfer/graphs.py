@@ -13,14 +13,28 @@ padding run without capture (so CPU tests check them).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from specinfer.runtime import LlamaRuntime
-
 log = logging.getLogger(__name__)
+
+
+class LayerLoopRuntime(Protocol):
+    """What graphs read of the runtime (``specinfer.runtime.LlamaRuntime``, which builds
+    them: it is not imported here, so the two modules do not import each other)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    config: Any  # the model's config: hidden_size
+    cache: Any  # the KV cache: slot_len, k
+    placement: Any  # cuda
+    scratch_slot: int
+
+    def layer_loop(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   offsets: torch.Tensor, visible: torch.Tensor | None, key_len: int
+                   ) -> torch.Tensor:
+        ...
 
 
 def buckets(limit: int) -> list[int]:
@@ -35,7 +49,7 @@ def buckets(limit: int) -> list[int]:
 class _Graph:
     """One captured layer loop and its static inputs and output."""
 
-    def __init__(self, runtime: LlamaRuntime, batch: int, queries: int, pool) -> None:
+    def __init__(self, runtime: LayerLoopRuntime, batch: int, queries: int, pool) -> None:
         rt = runtime
         dev, slot_len = rt.device, rt.cache.slot_len
         self.hidden = torch.zeros(batch, queries, rt.config.hidden_size, dtype=rt.dtype,
@@ -73,7 +87,7 @@ class _Graph:
 class GraphedLayers:
     """The runtime's ``layer_loop`` through captured graphs where a bucket fits."""
 
-    def __init__(self, runtime: LlamaRuntime, max_queries: int) -> None:
+    def __init__(self, runtime: LayerLoopRuntime, max_queries: int) -> None:
         self.runtime = runtime
         self.batches = buckets(runtime.cache.k.shape[1] - 1)  # the last slot is scratch
         self.queries = buckets(max_queries)
