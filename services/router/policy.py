@@ -202,6 +202,10 @@ class SpeculationPolicy:
     def _key(batch: int, greedy: bool) -> tuple[int, bool]:
         return 1 << max(0, batch - 1).bit_length(), greedy
 
+    def current(self, batch: int, greedy: bool) -> int | None:
+        """The mode chosen for batches of ``batch`` sequences, if one has been."""
+        return self.choice.get(self._key(batch, greedy))
+
     def tokens_per_step(self, greedy: bool, mode: int, sequence: str | None = None) -> float:
         """Expected tokens one sequence emits in a step of ``mode``."""
         if mode == 0:
