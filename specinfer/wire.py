@@ -6,7 +6,7 @@ from specinfer.drafting import DraftPlan
 from specinfer.errors import InvalidArgument
 from specinfer.sampling import SamplingParams, TokenLogprob
 from specinfer.tree import Draft, TokenTree
-from specinfer.v1 import common_pb2
+from specinfer.v1 import common_pb2, verifier_pb2
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, field: str) -> SamplingParams:
@@ -110,6 +110,12 @@ def tree_from_proto(msg: common_pb2.TokenTree) -> TokenTree:
 
 # The verifier's step protocol (InfoResponse.step_protocol): 2 = one Step call per batch.
 STEP_PROTOCOL = 2
+
+
+def draft_plan_to_proto(plan: DraftPlan) -> verifier_pb2.DraftPlan | None:
+    """A Step item's draft or shadow plan on the wire; None (unset) for no own drafts."""
+    return verifier_pb2.DraftPlan(sources=plan.sources, max_nodes=plan.max_nodes) \
+        if plan else None
 
 
 def draft_plan_from_proto(msg, field: str) -> DraftPlan:

@@ -13,7 +13,8 @@ The router keeps each sequence's full token history, so a speculator that fails 
 step without speculation, and a verifier that fails has its sequences re-prefilled on
 another replica from that history (greedy output is unchanged).
 
-Around it: ``request`` (the records), ``policy`` (modes, plans and the adaptive choice),
+Around it: ``request`` (the records), ``planner`` (the step's mode and each sequence's plan),
+``policy`` (modes, plans and the adaptive choice),
 ``replicas`` (affinity, failover, release), ``drafting`` (the speculator pool: calls and
 failover), ``lifecycle`` (emitting, requeueing and ending a request).
 """
@@ -31,29 +32,18 @@ from services.router.config import RouterConfig
 from services.router.drafting import SpeculatorPool, Trees, together
 from services.router.lifecycle import RequestLifecycle
 from services.router.metrics import RouterMetrics
-from services.router.policy import (
-    NO_DRAFTS,
-    SPECULATION_CHOICES,
-    Budgets,
-    SpeculationMode,
-    SpeculationPolicy,
-    StepPlan,
-    plan_step,
-)
+from services.router.planner import Plans, StepPlanner
+from services.router.policy import Budgets, StepPlan
 from services.router.replicas import ReplicaSet
 from services.router.request import GenRequest, Replica, hop_timeout
 from services.router.request_span import open_request_span
 from specinfer import tracing
 from specinfer.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceError
-from specinfer.plans import DraftPlan
 from specinfer.tls import TlsConfig
 from specinfer.v1 import common_pb2, verifier_pb2
-from specinfer.wire import sampling_to_proto
+from specinfer.wire import draft_plan_to_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
-
-Plans = dict[str, StepPlan]  # by sequence id
-
 
 class Scheduler:
     # A request's prompt tokens admitted per iteration, at most (the first one always is).
@@ -75,28 +65,15 @@ class Scheduler:
         # HTTP 429): longer than a verifier's sequence lease plus a step by default, so
         # the slots a dead router held come back before anyone is.
         self.queue_timeout_s = config.queue_timeout
-        # Speculating sequences per step, at most: in a larger batch the policy speculates
-        # for those whose drafts pay best (or none) and the rest decode plain, in the same
-        # forward pass.
-        self.spec_max_batch = config.spec_max_batch
-        self.budgets = budgets or Budgets()
-        self.modes = SPECULATION_CHOICES[config.speculation]  # mode 0: plain decoding
-        adaptive = config.speculation == "adaptive"
-        self.policy = SpeculationPolicy(len(self.modes)) if adaptive else None
-        # Shadow modes are measured on every step, not only when they run: the verifier
-        # drafts (without verifying) the largest of their trees for the next step, and
-        # what the sequence then emits shows how each would have fared.
-        shadow_modes = [(i, m.max_nodes) for i, m in enumerate(self.modes) if m.shadow] \
-            if adaptive else []
-        self.shadow = DraftPlan(
-            tuple(dict.fromkeys(s for i, _ in shadow_modes for s in self.modes[i].sources)),
-            max((n for _, n in shadow_modes), default=0))
+        self.planner = StepPlanner(config, self.replicas, self.speculators, budgets)
+        self.modes, self.policy = self.planner.modes, self.planner.policy
         self.step_timeout_s = step_timeout_s
         self.waiting: list[GenRequest] = []
         self.running: list[GenRequest] = []
         self.lifecycle = RequestLifecycle(self.running, self.waiting, self.replicas,
                                           self.speculators, self.metrics, set(eos_ids),
-                                          detokenize, self.policy, shadow_modes)
+                                          detokenize, self.policy,
+                                          self.planner.shadow_modes)
         # Trees drafted during an overlapped step's second half for the next step's first
         # micro-batch: sequence id -> (history length drafted for, its plan, tree).
         self.prefetched: dict[str, tuple[int, StepPlan, common_pb2.TokenTree]] = {}
@@ -298,7 +275,7 @@ class Scheduler:
         batch = list(self.running)
         before = {r.id: len(r.generated) for r in batch}
         greedy = all(r.params.greedy for r in batch)
-        index, plans = self._plan(batch, greedy)
+        index, plans = self.planner.plan(batch, greedy)
         mode = self.modes[index]
         self.step_mode = mode.name
         speculating = [r for r in batch if plans[r.id].speculates]
@@ -317,77 +294,6 @@ class Scheduler:
                                time.monotonic() - started,
                                {r.id: len(r.generated) - before[r.id] for r in speculating}
                                if measured else None)
-
-    def _plan(self, batch: list[GenRequest], greedy: bool) -> tuple[int, Plans]:
-        """This step's mode and every sequence's plan in it. Sequences that asked for
-        speculation and have room for a tree may speculate; in a batch of more than
-        ``spec_max_batch`` sequences only that many do (the adaptive policy picks those
-        whose drafts pay best under each mode, and whether any speculating pays at all),
-        the rest decode plain in the same forward pass."""
-        candidates = [r for r in batch if r.speculation and self._room(r) > 1]
-        shadow = {r.id: self._shadow(r) for r in batch}
-        index, chosen = self._choose(batch, candidates, greedy)
-        mode = self.modes[index]
-        plans = {r.id: StepPlan(shadow=shadow[r.id]) for r in batch}
-        for r in chosen:
-            plans[r.id] = plan_step(mode, index, len(chosen), self._room(r), self.budgets,
-                                    shadow[r.id])
-        return index, plans
-
-    def _choose(self, batch: list[GenRequest], candidates: list[GenRequest],
-                greedy: bool) -> tuple[int, list[GenRequest]]:
-        """The index of this step's mode and the sequences that speculate under it: the
-        policy's choice by measured speed at this batch size, or the one forced mode where
-        it can run (fixed modes speculate only up to ``spec_max_batch`` sequences)."""
-        if not candidates:
-            return 0, []
-        if self.policy is None:
-            if len(batch) > self.spec_max_batch:
-                return 0, []
-            index = next((i for i, m in enumerate(self.modes) if i
-                          and self._can_run(m, len(candidates))), 0)
-            return index, candidates if index else []
-        ids = tuple(r.id for r in candidates)
-        # Past spec_max_batch sequences: at most that many speculate (partial steps).
-        partial = len(batch) > self.spec_max_batch
-        at_most = min(len(ids), self.spec_max_batch)
-        if at_most == 0:
-            return 0, []
-        skip = {i for i, m in enumerate(self.modes) if not self._can_run(m, at_most)}
-        if partial:
-            # Only the mode that wins where every sequence speculates (spec_max_batch of
-            # them) is weighed against plain decoding: trying every mode on large batches
-            # cost more than it found (8 streams, 2-core CPU: 0.82x off, exploring).
-            best = self.policy.current(self.spec_max_batch, greedy)
-            skip |= {i for i in range(1, len(self.modes)) if i != best}
-        index = self.policy.choose(len(batch), greedy, frozenset(skip), ids,
-                                   at_most if partial else None)
-        if not index:
-            return 0, []
-        chosen = set(self.policy.best(greedy, index, ids, at_most) if partial else ids)
-        return index, [r for r in candidates if r.id in chosen]
-
-    def _can_run(self, mode: SpeculationMode, speculating: int) -> bool:
-        if mode.plain:
-            return True
-        if mode.overlap and speculating < 2:
-            return False
-        if mode.speculator and not self.speculators.available():
-            return False
-        return self.replicas.have_sources(mode.sources)
-
-    def _room(self, req: GenRequest) -> int:
-        """The most tree nodes ``req``'s replica and context allow this step."""
-        replica = req.replica
-        return min(replica.max_tree_nodes, replica.max_context - len(req.history) - 1)
-
-    def _shadow(self, req: GenRequest) -> DraftPlan:
-        """The shadow draft asked of ``req`` (for the shadow modes' measurements)."""
-        if not self.shadow or not req.speculation or req.replica is None \
-                or not req.replica.has_sources(self.shadow.sources):
-            return NO_DRAFTS
-        return DraftPlan(self.shadow.sources,
-                         min(self.shadow.max_nodes, req.replica.max_tree_nodes))
 
     async def _draft(self, reqs: list[GenRequest], plans: Plans) -> Trees:
         """The speculator's trees for the plans among ``reqs`` that ask for one."""
@@ -413,7 +319,7 @@ class Scheduler:
         _, second_trees = await together(self._step_all(first + plain, plans, trees),
                                          self._draft(second, plans))
         ahead = [r for r in first if r in self.running and r.replica is not None
-                 and self._room(r) > 1]
+                 and self.planner.room(r) > 1]
         _, next_trees = await together(self._step_all(second, plans, second_trees),
                                        self._draft(ahead, plans))
         self.prefetched = {r.id: (len(r.history), plans[r.id], next_trees[r.id])
@@ -497,14 +403,9 @@ class Scheduler:
 def _step_item(req: GenRequest, plan: StepPlan,
                tree: common_pb2.TokenTree | None) -> verifier_pb2.StepItem:
     """``req``'s part of a Step call: its root, the speculator's tree, its plan."""
-    item = verifier_pb2.StepItem(sequence_id=req.id, root_token=req.generated[-1], tree=tree)
-    if plan.draft:
-        item.draft.sources.extend(plan.draft.sources)
-        item.draft.max_nodes = plan.draft.max_nodes
-    if plan.shadow:
-        item.shadow.sources.extend(plan.shadow.sources)
-        item.shadow.max_nodes = plan.shadow.max_nodes
-    return item
+    return verifier_pb2.StepItem(sequence_id=req.id, root_token=req.generated[-1], tree=tree,
+                                 draft=draft_plan_to_proto(plan.draft),
+                                 shadow=draft_plan_to_proto(plan.shadow))
 
 
 def _client_deadline_passed(exc: grpc.aio.AioRpcError, reqs: list[GenRequest]) -> bool:

@@ -100,4 +100,5 @@ class LocalExecutor:
         self.runtime.cache.compact(slot, src, dst)
 
     def close(self) -> None:
-        pass  # the model's memory goes with this object
+        """Nothing to stop: no other process holds part of the model, and its memory goes
+        with this object."""
