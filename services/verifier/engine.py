@@ -22,6 +22,7 @@ import torch
 from services.verifier.executor import Executor, ForwardArgs
 from services.verifier.own_drafts import OwnDrafts
 from services.verifier.sequence import EngineConfig, SequenceState, SessionEntry
+from specinfer.constraints import Constraint, InvalidConstraint
 from specinfer.drafting import DraftPlan, OwnSource
 from specinfer.errors import (
     InvalidArgument,
@@ -30,6 +31,7 @@ from specinfer.errors import (
     ResourceExhausted,
     check_token_ids,
 )
+from specinfer.grammar import GrammarCompiler, SequenceGrammar, apply_masks
 from specinfer.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -51,6 +53,7 @@ class PrefillSpec:
     params: SamplingParams = field(default_factory=SamplingParams)
     session_id: str = ""
     prompt_length: int | None = None  # None: all of token_ids (else the rest was generated)
+    constraint: Constraint | None = None  # structured output
 
 
 @dataclass
@@ -88,8 +91,12 @@ class StepOut:
 class VerifierEngine:
     def __init__(self, executor: Executor, config: EngineConfig, model_name: str = "",
                  eos_token_ids: list[int] | None = None,
-                 sources: Sequence[OwnSource] = ()) -> None:
+                 sources: Sequence[OwnSource] = (),
+                 grammars: GrammarCompiler | None = None) -> None:
         self.executor = executor
+        # Structured output's grammars, compiled for the LLM's tokenizer (None: no
+        # tokenizer here, constraints are refused).
+        self.grammars = grammars
         self.vocab_size = executor.vocab_size
         # The trees Step items' plans ask the verifier to draft.
         self.drafts = OwnDrafts(sources, self.vocab_size)
@@ -173,15 +180,28 @@ class VerifierEngine:
                 raise InvalidArgument(f"items[{i}].prompt_length",
                                       f"{spec.prompt_length} is outside [1, "
                                       f"{len(spec.token_ids)}] (the token_ids sent)")
+        grammars = [self._grammar(f"items[{i}].constraint", spec) for i, spec in enumerate(specs)]
         reusable = sum(1 for s in specs if s.session_id in self.sessions)
         if len(specs) - reusable > len(self.free_slots) + len(self.sessions) - reusable:
             raise ResourceExhausted(
                 f"KV cache full: {len(specs)} new sequences, {len(self.free_slots)} free slots "
                 f"of {self.config.slots}; retry later"
             )
-        return [self._prefill_one(spec) for spec in specs]
+        return [self._prefill_one(spec, g) for spec, g in zip(specs, grammars, strict=True)]
 
-    def _prefill_one(self, spec: PrefillSpec) -> PrefillOut:
+    def _grammar(self, field: str, spec: PrefillSpec) -> SequenceGrammar | None:
+        """The sequence's matcher after its generated tokens (a re-prefill's), or None."""
+        if spec.constraint is None:
+            return None
+        if self.grammars is None:
+            raise InvalidArgument(field, "this verifier has no tokenizer for constraints")
+        generated = spec.token_ids[spec.prompt_length or len(spec.token_ids):]
+        try:
+            return self.grammars.start(spec.constraint, generated, field)
+        except InvalidConstraint as exc:
+            raise InvalidArgument(field, str(exc).removeprefix(field + ": ")) from None
+
+    def _prefill_one(self, spec: PrefillSpec, grammar: SequenceGrammar | None) -> PrefillOut:
         slot, kept, kept_features = self._take_slot(spec.session_id)
         prompt = spec.token_ids
         reuse = 0
@@ -202,10 +222,16 @@ class VerifierEngine:
         prompt_length = len(prompt) if spec.prompt_length is None else spec.prompt_length
         processed = process_logits(logits[0, -1:].cpu(), spec.params, prompt[:prompt_length],
                                    prompt[prompt_length:])
+        if grammar is not None:
+            masks = grammar.masks(1)
+            grammar.fill(masks, 0)
+            processed = apply_masks(processed.float().clone(), masks)
         token = self._pick(processed[0], spec.params, gen)
+        if grammar is not None:
+            grammar.advance([token])
         self.sequences[spec.sequence_id] = SequenceState(
             spec.sequence_id, slot, list(prompt) + [token], spec.params, gen, spec.session_id,
-            prompt_length, features=features,
+            prompt_length, features=features, grammar=grammar,
         )
         return PrefillOut(spec.sequence_id, token, reuse,
                           self._logprobs(logits[0], [-1], [token], spec.params))
@@ -246,6 +272,7 @@ class VerifierEngine:
             return []
         trees = self.drafts.trees(seqs, [it.draft for it in items], budgets,
                                   [it.tree for it in items])
+        masks = self._constrain(seqs, items, trees, budgets)
         now = time.monotonic()
         for seq in seqs:
             seq.touched = now
@@ -258,7 +285,7 @@ class VerifierEngine:
             batch.prefix_lens, visible, features=self.drafts.needs_features,
         ))
         self.forward_passes += 1
-        results = verify_batch(self._processed(logits, seqs, trees), trees,
+        results = verify_batch(self._processed(logits, seqs, trees, masks), trees,
                                [s.params for s in seqs], [s.generator for s in seqs])
         outs = [self._accept(seq, tree, acc, logits[b], b)
                 for b, (seq, tree, acc) in enumerate(zip(seqs, trees, results, strict=True))]
@@ -305,22 +332,45 @@ class VerifierEngine:
             budgets.append(budget)
         return seqs, budgets
 
+    def _constrain(self, seqs: list[SequenceState], items: list[StepItem],
+                   trees: list[TokenTree], budgets: list[int]) -> list[torch.Tensor | None]:
+        """Constrained sequences' trees cut to their grammar and, for a speculating item
+        (one with a tree or a draft plan), extended by the tokens the grammar forces
+        within its node budget; returns each item's row masks (None: unconstrained)."""
+        masks: list[torch.Tensor | None] = []
+        for i, (seq, item) in enumerate(zip(seqs, items, strict=True)):
+            if seq.grammar is None:
+                masks.append(None)
+                continue
+            speculates = len(item.tree) > 0 or bool(item.draft)
+            limit = (budgets[i] or self.config.max_tree_nodes) if speculates else 0
+            limit = min(limit, self.config.max_context - seq.cached - 1)
+            trees[i], rows = seq.grammar.shape(trees[i], seq.params.greedy,
+                                               limit - len(trees[i]))
+            masks.append(rows)
+        return masks
+
     @staticmethod
-    def _processed(logits: torch.Tensor, seqs: list[SequenceState],
-                   trees: list[TokenTree]) -> torch.Tensor:
+    def _processed(logits: torch.Tensor, seqs: list[SequenceState], trees: list[TokenTree],
+                   masks: list[torch.Tensor | None]) -> torch.Tensor:
         """The logits verification reads: each sequence's processors applied to its tree's
         rows, row 1 + i with node i and its ancestors counted as generated (the text a
-        step accepting node i would have produced), so the target distribution at every
-        node is the one plain decoding would have there."""
-        if not any(s.params.processes_logits for s in seqs):
+        step accepting node i would have produced), then its grammar's mask of each row,
+        so the target distribution at every node is the one plain decoding would have
+        there."""
+        if not any(s.params.processes_logits or m is not None for s, m in zip(seqs, masks,
+                                                                           strict=True)):
             return logits
         out = logits.float().cpu().clone()  # processors index on the host; raw stays
-        for b, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+        for b, (seq, tree, mask) in enumerate(zip(seqs, trees, masks, strict=True)):
+            rows = 1 + len(tree)
             if seq.params.processes_logits:
                 paths = [[]] + [tree.path_tokens(i) for i in range(len(tree))]
-                out[b, : len(paths)] = process_logits(
-                    out[b, : len(paths)], seq.params, seq.tokens[: seq.prompt_length],
+                out[b, :rows] = process_logits(
+                    out[b, :rows], seq.params, seq.tokens[: seq.prompt_length],
                     seq.tokens[seq.prompt_length:], paths)
+            if mask is not None:
+                apply_masks(out[b, :rows, : mask.shape[1] * 32], mask)
         return out
 
     def _accept(self, seq: SequenceState, tree: TokenTree, acc: Accepted,
@@ -335,6 +385,8 @@ class VerifierEngine:
         if seq.features is not None:  # the root and the accepted nodes are cached now
             seq.features[seq.cached : seq.cached + len(rows)] = self.executor.features[row, rows]
         seq.tokens.extend(acc.tokens)
+        if seq.grammar is not None:
+            seq.grammar.advance(acc.tokens)
         return StepOut(seq.id, acc.tokens, acc.nodes, seq.cached,
                        self._logprobs(logits, rows, acc.tokens, seq.params), len(tree))
 

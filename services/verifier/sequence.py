@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from specinfer.sampling import SamplingParams
 from specinfer.tree import TokenTree
+
+if TYPE_CHECKING:
+    from specinfer.grammar import SequenceGrammar
 
 
 @dataclass
@@ -47,6 +51,8 @@ class SequenceState:
     kept_draft: tuple[tuple[str, ...], int, int, TokenTree] | None = None
     # With a draft head: the LLM's normed last hidden state of every cached token.
     features: torch.Tensor | None = None
+    # Structured output: the constraint's matcher, after every generated token.
+    grammar: SequenceGrammar | None = None
 
     @property
     def cached(self) -> int:

@@ -28,7 +28,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "chat", "max_tokens", "stop", "stop_token_ids", "sampling", "speculation", "session_id", "model", "ignore_eos")
+    __slots__ = ("prompt", "prompt_token_ids", "chat", "max_tokens", "stop", "stop_token_ids", "sampling", "speculation", "session_id", "model", "ignore_eos", "constraint")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: TokenIds
     chat: ChatMessages
@@ -51,7 +52,8 @@ class GenerateRequest(_message.Message):
     session_id: str
     model: str
     ignore_eos: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[bool] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    constraint: _common_pb2.Constraint
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[bool] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "dtype", "logprobs")
