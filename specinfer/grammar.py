@@ -139,9 +139,12 @@ class SequenceGrammar:
                                              target.numel() * target.element_size())
 
     def advance(self, tokens: Sequence[int]) -> None:
-        """Consume accepted tokens (each was allowed: its row was masked)."""
-        if not self.matcher.consume_tokens(list(tokens)):
-            raise RuntimeError(f"grammar refused accepted tokens: {self.matcher.get_error()}")
+        """Consume accepted tokens (each was allowed: its row was masked). Once the grammar
+        has stopped, only the end of sequence was allowed: nothing is left to consume."""
+        for token in tokens:
+            if self.matcher.is_stopped():
+                return
+            self._consume(token)
 
     def shape(self, tree: TokenTree, greedy: bool, room: int) -> tuple[TokenTree, torch.Tensor]:
         """The tree cut to the grammar and extended by forced tokens (at most ``room`` new
@@ -213,5 +216,18 @@ def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def mask_logits(processed: torch.Tensor, raw: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """``processed [R, V]`` (after the sampling processors) masked to each row's grammar,
+    in place. A row where the processors and the grammar together allow nothing (min_tokens
+    forbids the end of sequence where the grammar allows only that) takes the ``raw``
+    logits masked to the grammar: the constraint wins over min_tokens."""
+    apply_masks(processed, masks)
+    dead = torch.isneginf(processed).all(dim=-1)
+    if bool(dead.any()):
+        rows = dead.nonzero().flatten()
+        processed[rows] = apply_masks(raw[rows].float().clone(), masks[rows])
+    return processed
+
+
 __all__ = ["FORCED_SOURCE", "GrammarCompiler", "InvalidConstraint", "SequenceGrammar",
-           "allowed", "apply_masks"]
+           "allowed", "apply_masks", "mask_logits"]

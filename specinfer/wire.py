@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specinfer.constraints import Constraint
 from specinfer.drafting import DraftPlan
 from specinfer.errors import InvalidArgument
 from specinfer.sampling import SamplingParams, TokenLogprob
@@ -125,3 +126,29 @@ def draft_plan_from_proto(msg, field: str) -> DraftPlan:
         raise InvalidArgument(f"{field}.sources", "a source is named twice")
     return DraftPlan(names, msg.max_nodes)
 
+
+
+def constraint_to_proto(c: Constraint | None) -> common_pb2.Constraint | None:
+    if c is None:
+        return None
+    if c.kind == "json_object":
+        return common_pb2.Constraint(json_object=True)
+    if c.kind == "choice":
+        return common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=list(c.choices)))
+    return common_pb2.Constraint(**{c.kind: c.spec})
+
+
+def constraint_from_proto(msg: common_pb2.Constraint, field: str) -> Constraint | None:
+    """The request's constraint, or None when unset; malformed on its face (an empty
+    regex, an empty choice list, ``json_object: false``) raises InvalidArgument naming
+    ``field``. Whether it compiles is the grammar compiler's to say."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not msg.json_object:
+            raise InvalidArgument(f"{field}.json_object", "must be true when set")
+        return Constraint("json_object")
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(msg.choice.choices))
+    return Constraint(kind, getattr(msg, kind))

@@ -31,7 +31,7 @@ from specinfer.errors import (
     ResourceExhausted,
     check_token_ids,
 )
-from specinfer.grammar import GrammarCompiler, SequenceGrammar, apply_masks
+from specinfer.grammar import GrammarCompiler, SequenceGrammar, mask_logits
 from specinfer.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -104,6 +104,9 @@ class VerifierEngine:
             raise ValueError("a draft source that reads the LLM's features needs them in this "
                              "process: tensor and pipeline parallel degree 1")
         self.forward_passes = 0  # Step calls' forward passes (one each)
+        # Structured output's cost in Step calls (seconds) and the tree nodes it forced.
+        self.grammar_seconds = 0.0
+        self.forced_tokens = 0
         self.config = config
         self.model_name = model_name
         self.eos_token_ids = eos_token_ids or []
@@ -225,7 +228,7 @@ class VerifierEngine:
         if grammar is not None:
             masks = grammar.masks(1)
             grammar.fill(masks, 0)
-            processed = apply_masks(processed.float().clone(), masks)
+            processed = mask_logits(processed.float().clone(), logits[0, -1:].cpu(), masks)
         token = self._pick(processed[0], spec.params, gen)
         if grammar is not None:
             grammar.advance([token])
@@ -272,7 +275,10 @@ class VerifierEngine:
             return []
         trees = self.drafts.trees(seqs, [it.draft for it in items], budgets,
                                   [it.tree for it in items])
+        start = time.perf_counter()
         masks = self._constrain(seqs, items, trees, budgets)
+        constrained = any(m is not None for m in masks)
+        self.grammar_seconds += (time.perf_counter() - start) if constrained else 0.0
         now = time.monotonic()
         for seq in seqs:
             seq.touched = now
@@ -285,7 +291,10 @@ class VerifierEngine:
             batch.prefix_lens, visible, features=self.drafts.needs_features,
         ))
         self.forward_passes += 1
-        results = verify_batch(self._processed(logits, seqs, trees, masks), trees,
+        start = time.perf_counter()
+        processed = self._processed(logits, seqs, trees, masks)
+        self.grammar_seconds += (time.perf_counter() - start) if constrained else 0.0
+        results = verify_batch(processed, trees,
                                [s.params for s in seqs], [s.generator for s in seqs])
         outs = [self._accept(seq, tree, acc, logits[b], b)
                 for b, (seq, tree, acc) in enumerate(zip(seqs, trees, results, strict=True))]
@@ -345,8 +354,10 @@ class VerifierEngine:
             speculates = len(item.tree) > 0 or bool(item.draft)
             limit = (budgets[i] or self.config.max_tree_nodes) if speculates else 0
             limit = min(limit, self.config.max_context - seq.cached - 1)
+            forced = seq.grammar.forced_tokens
             trees[i], rows = seq.grammar.shape(trees[i], seq.params.greedy,
                                                limit - len(trees[i]))
+            self.forced_tokens += seq.grammar.forced_tokens - forced
             masks.append(rows)
         return masks
 
@@ -370,7 +381,7 @@ class VerifierEngine:
                     out[b, :rows], seq.params, seq.tokens[: seq.prompt_length],
                     seq.tokens[seq.prompt_length:], paths)
             if mask is not None:
-                apply_masks(out[b, :rows, : mask.shape[1] * 32], mask)
+                mask_logits(out[b, :rows], logits[b, :rows].cpu(), mask)
         return out
 
     def _accept(self, seq: SequenceState, tree: TokenTree, acc: Accepted,

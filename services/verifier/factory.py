@@ -3,6 +3,8 @@ pipeline-parallel ranks (``services.verifier.parallel``). Every engine is built 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from services.verifier.engine import EngineConfig, VerifierEngine, eos_ids, slot_len
@@ -11,9 +13,12 @@ from services.verifier.parallel import Rendezvous, start_ranks
 from specinfer.drafting import OwnSource
 from specinfer.drafting.head import FeatureDrafter, HeadSource, load_head
 from specinfer.drafting.model_free import ModelFreeDrafter
-from specinfer.models import load_model
+from specinfer.grammar import GrammarCompiler
+from specinfer.models import load_model, load_tokenizer
 from specinfer.placement import Placement
 from specinfer.runtime import LlamaRuntime
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
@@ -33,7 +38,9 @@ def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
     if tp * pp > 1:
         executor = start_ranks(llm, config, tp, pp, micro_batches, threads, placement, meet)
         return VerifierEngine(executor, config, llm, executor.eos_token_ids,
-                              [drafter or ModelFreeDrafter()])
+                              [drafter or ModelFreeDrafter()],
+                              grammar_compiler(llm, executor.vocab_size,
+                                               executor.eos_token_ids))
     if threads:
         torch.set_num_threads(threads)
     model = load_model(llm)
@@ -49,4 +56,20 @@ def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
                            max_context=config.max_context,
                            max_tree_nodes=config.max_tree_nodes, placement=placement),
             config.head_expansion, config.head_dynamic, config.head_nodes))
-    return VerifierEngine(LocalExecutor(runtime), config, llm, eos_ids(model), sources)
+    executor = LocalExecutor(runtime)
+    return VerifierEngine(executor, config, llm, eos_ids(model), sources,
+                          grammar_compiler(llm, executor.vocab_size, eos_ids(model)))
+
+
+def grammar_compiler(llm: str, vocab_size: int, eos: list[int]) -> GrammarCompiler | None:
+    """Structured output's compiler for the LLM's tokenizer; None when the model has no
+    tokenizer (or no end-of-sequence token): constraints are then refused by name."""
+    try:
+        tokenizer = load_tokenizer(llm)
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer: structured output is off", extra={"error": str(exc)[:200]})
+        return None
+    if not eos:
+        log.warning("no end-of-sequence token: structured output is off")
+        return None
+    return GrammarCompiler(tokenizer, vocab_size, eos)

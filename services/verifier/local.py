@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.verifier.engine import PrefillSpec, StepItem, VerifierEngine
+from specinfer.constraints import Constraint
 from specinfer.drafting import DraftPlan
 from specinfer.sampling import SamplingParams, TokenLogprob
 from specinfer.stops import SequenceStops, Stops
@@ -44,18 +45,22 @@ def generate_local(
     params: SamplingParams | None = None,
     stop_token_ids: Sequence[int] | None = None,
     draft: DraftPlan | None = None,
+    constraint: Constraint | None = None,
 ) -> list[LocalResult]:
     """Decode a batch to ``max_new_tokens`` each (or a stop token, which is kept), one
     ``Step`` per iteration. ``draft`` has the verifier draft each step's trees itself with
-    its own sources, merged with ``trees``' when given."""
+    its own sources, merged with ``trees``' when given. ``constraint``: structured output
+    (every sequence's), which ends at the end-of-sequence token it allows."""
     params = params or SamplingParams()
     draft = draft or DraftPlan()
     ends = Stops(max_new_tokens, frozenset(engine.eos_token_ids if stop_token_ids is None
                                            else stop_token_ids))
     start = time.perf_counter()
     ids = [f"local-{next(_ids)}" for _ in prompts]
-    first = engine.prefill([PrefillSpec(sid, list(p), params) for sid, p in zip(ids, prompts,
-                                                                                 strict=True)])
+    if constraint is not None:
+        ends = Stops(max_new_tokens, ends.token_ids | frozenset(engine.eos_token_ids))
+    first = engine.prefill([PrefillSpec(sid, list(p), params, constraint=constraint)
+                            for sid, p in zip(ids, prompts, strict=True)])
     ttft = time.perf_counter() - start
     history = {sid: list(p) + [f.token] for sid, p, f in zip(ids, prompts, first, strict=True)}
     results = {sid: LocalResult([f.token], ttft_s=ttft, logprobs=f.logprobs)

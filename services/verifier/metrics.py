@@ -42,6 +42,39 @@ class VerifierMetrics:
                                       "mix of plain, tree and self-drafted rows it carries.",
                                       labels, registry=r).labels(**self._m)
 
+        # Structured output.
+        self.grammar_compile_seconds = Histogram(
+            PREFIX + "grammar_compile_seconds", "Compiling a constraint's grammar for the "
+            "LLM's tokenizer (cache misses only), by constraint kind.", labels + ["kind"],
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.grammar_cache = Counter(PREFIX + "grammar_cache_lookups",
+                                     "Compiled-grammar cache lookups, by result (hit, miss).",
+                                     labels + ["result"], registry=r)
+        for result in ("hit", "miss"):
+            self.grammar_cache.labels(result=result, **self._m)
+        self.grammar_mask_seconds = Counter(
+            PREFIX + "grammar_mask_seconds", "Engine time spent on constraints in Step calls: "
+            "masks of every tree row, cutting trees, forced tokens.", labels,
+            registry=r).labels(**self._m)
+        self.grammar_forced_tokens = Counter(
+            PREFIX + "grammar_forced_tokens", "Tree nodes drafted because the grammar forced "
+            "their token (JSON punctuation, a schema's keys).", labels,
+            registry=r).labels(**self._m)
+
+    _grammar_seen = (0.0, 0)
+
+    def grammar(self, kind: str, compile_s: float) -> None:
+        """A constraint looked up (``compile_s`` 0: found in the cache)."""
+        self.grammar_cache.labels(result="miss" if compile_s else "hit", **self._m).inc()
+        if compile_s:
+            self.grammar_compile_seconds.labels(kind=kind, **self._m).observe(compile_s)
+
+    def grammar_step(self, seconds_total: float, forced_total: int) -> None:
+        """The engine's running totals of constraint time and forced tokens."""
+        self.grammar_mask_seconds.inc(max(seconds_total - self._grammar_seen[0], 0.0))
+        self.grammar_forced_tokens.inc(max(forced_total - self._grammar_seen[1], 0))
+        self._grammar_seen = (seconds_total, forced_total)
+
     def call(self, rpc: str, batch: int, nodes_per_tree: int, seconds: float) -> None:
         self.step_seconds.labels(rpc=rpc, tree_nodes=tree_size(nodes_per_tree),
                                  **self._m).observe(seconds)

@@ -17,11 +17,13 @@ from opentelemetry import trace
 from services.verifier.engine import PrefillSpec, StepItem, VerifierEngine
 from services.verifier.metrics import VerifierMetrics
 from specinfer import tracing
-from specinfer.errors import ResourceExhausted
+from specinfer.constraints import InvalidConstraint
+from specinfer.errors import InvalidArgument, ResourceExhausted
 from specinfer.grpc_server import abort_on_error, serve_engine
 from specinfer.v1 import verifier_pb2, verifier_pb2_grpc
 from specinfer.wire import (
     STEP_PROTOCOL,
+    constraint_from_proto,
     draft_plan_from_proto,
     logprob_to_proto,
     sampling_from_proto,
@@ -73,6 +75,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down: "
                                 "prefill on another replica")
+        constraints = await self._compile(context, request.items)
+
         def run(engine: VerifierEngine):
             specs = []
             for i, item in enumerate(request.items):
@@ -80,7 +84,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 specs.append(PrefillSpec(item.sequence_id, list(item.token_ids), params,
                                          item.session_id,
                                          item.prompt_length if item.HasField("prompt_length")
-                                         else None))
+                                         else None, constraints[i]))
             return engine.prefill(specs)
 
         out, seconds = await self._call(context, "Prefill", run)
@@ -96,11 +100,32 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                        logprob=_first_logprob(r.logprobs)) for r in out
         ])
 
+    async def _compile(self, context: grpc.aio.ServicerContext, items) -> list:
+        """Each item's constraint (or None), its grammar compiled (or found in the cache)
+        on a worker thread, off the engine's: a slow compile holds no other request's
+        step. A constraint that does not compile is INVALID_ARGUMENT naming the item."""
+        out = []
+        for i, item in enumerate(items):
+            field = f"items[{i}].constraint"
+            try:
+                constraint = constraint_from_proto(item.constraint, field)
+                grammars = self.engine.grammars if self.engine is not None else None
+                if constraint is not None and grammars is not None:
+                    await asyncio.get_running_loop().run_in_executor(
+                        None, grammars.compile, constraint, field)
+                    self.metrics.grammar(constraint.kind, grammars.last_compile_s)
+            except (InvalidArgument, InvalidConstraint) as exc:
+                await abort_on_error(context, exc if isinstance(exc, InvalidArgument)
+                                     else InvalidArgument(field, _after(str(exc), field)))
+            out.append(constraint)
+        return out
+
     async def Step(self, request, context):
         out, seconds = await self._call(context, "Step", lambda engine: engine.step(
             [step_item_from_proto(item, f"items[{i}]") for i, item in enumerate(request.items)]))
         nodes = [r.drafted_nodes for r in out]
         self.metrics.call("Step", len(out), max(nodes, default=0), seconds)
+        self.metrics.grammar_step(self.engine.grammar_seconds, self.engine.forced_tokens)
         self.metrics.tree_nodes.inc(sum(nodes))
         if out:
             self.metrics.forward_passes.inc()
@@ -138,6 +163,11 @@ def step_item_from_proto(msg: verifier_pb2.StepItem, field: str) -> StepItem:
     return StepItem(msg.sequence_id, msg.root_token, tree,
                     draft_plan_from_proto(msg.draft, f"{field}.draft"),
                     draft_plan_from_proto(msg.shadow, f"{field}.shadow"))
+
+
+def _after(message: str, field: str) -> str:
+    """An InvalidConstraint's message without the field it starts with."""
+    return message.removeprefix(field).lstrip(".: ") or message
 
 
 def _annotate(**attributes) -> None:

@@ -1,0 +1,246 @@
+"""Structured output on the verifier engine (a tiny random Llama over SmolLM2's real
+tokenizer): constrained greedy decoding is the same with and without speculation (trees
+the verifier drafts, decoy trees sent to it, forced tokens), every output follows its
+constraint, forced tokens make steps accept more than one token, bad constraints are
+refused by name, and constrained sampling keeps its distribution under speculation
+(chi-square, the test of ``test_speculative_sampling``)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from conftest import decoy_tree
+from test_speculative_sampling import homogeneity_pvalue
+
+from services.verifier.engine import EngineConfig, PrefillSpec, StepItem
+from services.verifier.factory import build_engine
+from services.verifier.local import generate_local
+from specinfer.constraints import Constraint, InvalidConstraint
+from specinfer.drafting import DraftPlan
+from specinfer.errors import InvalidArgument
+from specinfer.models import load_tokenizer
+from specinfer.sampling import SamplingParams
+from specinfer.tree import ROOT, Draft, TokenTree
+
+N = 500  # samples per arm of the chi-square test
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer"}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 4},
+    {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                      "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
+     "required": ["ok", "tags"], "additionalProperties": False},
+    {"enum": ["red", "green", "blue"]},
+    {"type": "object", "properties": {"point": {
+        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+        "required": ["x", "y"], "additionalProperties": False}},
+     "required": ["point"], "additionalProperties": False},
+]
+CONSTRAINTS = (
+    [Constraint("json_schema", json.dumps(s)) for s in SCHEMAS]
+    + [Constraint("json_object"),
+       Constraint("regex", r"[0-9]{3}-[0-9]{4}"),
+       Constraint("regex", r"(yes|no), because [a-z ]{1,20}\."),
+       Constraint("choice", choices=("positive", "negative", "neutral")),
+       Constraint("grammar", 'start: "(" num " " op " " num ")"\nnum: /[0-9]{1,3}/\n'
+                             'op: "+" | "-" | "*"'),
+       Constraint("grammar", 'root ::= "The answer is " [0-9]+ "."')]
+)
+
+
+def follows(constraint: Constraint, text: str) -> bool:
+    """Whether ``text`` (a finished output) is in the constraint's language."""
+    if constraint.kind == "json_schema":
+        try:
+            jsonschema.validate(json.loads(text), json.loads(constraint.spec))
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+    if constraint.kind == "json_object":
+        try:
+            return isinstance(json.loads(text), dict)
+        except ValueError:
+            return False
+    if constraint.kind == "regex":
+        return re.fullmatch(constraint.spec, text) is not None
+    if constraint.kind == "choice":
+        return text in constraint.choices
+    return (re.fullmatch(r"\(\d{1,3} [-+*] \d{1,3}\)", text) is not None
+            or re.fullmatch(r"The answer is \d+\.", text) is not None)
+
+
+@pytest.fixture(scope="module")
+def chat_engine(tiny_chat_llm):
+    return build_engine(tiny_chat_llm, EngineConfig(max_context=256, slots=4,
+                                                    max_tree_nodes=24))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_chat_llm):
+    return load_tokenizer(tiny_chat_llm)
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(t) for t in ("Give me the data:", "Answer in JSON please.")]
+
+
+def decoys(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return lambda histories: [decoy_tree(list(torch.randint(0, 49152, (4,), generator=gen)),
+                                         49152, gen) for _ in histories]
+
+
+@pytest.mark.parametrize("constraint", CONSTRAINTS, ids=lambda c: f"{c.kind}-{c.key[:6]}")
+def test_constrained_greedy_is_the_same_with_every_kind_of_draft(chat_engine, tokenizer,
+                                                                 constraint):
+    plain = generate_local(chat_engine, prompts(tokenizer), 48, constraint=constraint)
+    eos = chat_engine.eos_token_ids[0]
+    for r in plain:  # a finished output follows the constraint
+        if r.token_ids[-1] == eos:
+            text = tokenizer.decode(r.token_ids[:-1])
+            assert follows(constraint, text), text
+    for trees, draft in [(decoys(1), None), (None, DraftPlan(("model_free",), 12)),
+                         (decoys(2), DraftPlan(("model_free",), 16))]:
+        spec = generate_local(chat_engine, prompts(tokenizer), 48, trees=trees, draft=draft,
+                              constraint=constraint)
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+
+
+def test_forced_tokens_make_steps_accept_several_tokens(chat_engine, tokenizer):
+    """A schema's keys and punctuation are forced: drafted by the grammar, accepted."""
+    schema = {"type": "object", "properties": {k: {"type": "boolean"} for k in
+                                               ("first_flag", "second_flag", "third_flag")},
+              "required": ["first_flag", "second_flag", "third_flag"],
+              "additionalProperties": False}
+    c = Constraint("json_schema", json.dumps(schema))
+    forced = chat_engine.forced_tokens
+    plan = DraftPlan(("model_free",), 16)
+    [spec] = generate_local(chat_engine, prompts(tokenizer)[:1], 64, draft=plan, constraint=c)
+    [plain] = generate_local(chat_engine, prompts(tokenizer)[:1], 64, constraint=c)
+    assert spec.token_ids == plain.token_ids
+    assert json.loads(tokenizer.decode(spec.token_ids[:-1])).keys() == schema["properties"].keys()
+    assert chat_engine.forced_tokens > forced
+    assert len(spec.token_ids) / spec.steps > 2.0, spec.accepted_per_step
+    assert plain.steps == len(plain.token_ids) - 1  # one token a step without a plan
+
+
+def test_min_tokens_gives_way_to_a_finished_grammar(chat_engine, tokenizer):
+    """min_tokens forbids the end of sequence where the grammar allows nothing else: the
+    constraint wins (the output ends where it must)."""
+    c = Constraint("choice", choices=("A", "B"))
+    params = SamplingParams(min_tokens=5, min_tokens_stop_ids=tuple(chat_engine.eos_token_ids))
+    for draft in (None, DraftPlan(("model_free",), 8)):
+        out = generate_local(chat_engine, prompts(tokenizer), 16, params=params, draft=draft,
+                             constraint=c)
+        for r in out:
+            assert tokenizer.decode(r.token_ids[:-1]) in ("A", "B")
+            assert r.token_ids[-1] in chat_engine.eos_token_ids
+
+
+@pytest.mark.parametrize("constraint,field,message", [
+    (Constraint("json_schema", "{nope"), "items[0].constraint", "not JSON"),
+    (Constraint("json_schema", '{"type": "strange"}'), "items[0].constraint", "Schema"),
+    (Constraint("regex", "(unclosed"), "items[0].constraint", "regex"),
+    (Constraint("regex", ""), "items[0].constraint", "empty"),
+    (Constraint("choice", choices=()), "items[0].constraint", "empty"),
+    (Constraint("choice", choices=("a", "")), "items[0].constraint", "non-empty"),
+    (Constraint("grammar", "start: undefined_rule"), "items[0].constraint", "undefined"),
+    (Constraint("grammar", "x" * 70_000), "items[0].constraint", "limit"),
+])
+def test_bad_constraints_are_refused_by_name(chat_engine, tokenizer, constraint, field,
+                                             message):
+    with pytest.raises(InvalidArgument) as err:
+        chat_engine.prefill([PrefillSpec("bad", prompts(tokenizer)[0], SamplingParams(),
+                                         constraint=constraint)])
+    assert str(err.value).startswith(field)
+    assert message.lower() in str(err.value).lower(), str(err.value)
+    assert "bad" not in chat_engine.sequences
+    with pytest.raises(InvalidConstraint):  # the router's check, without a tokenizer
+        constraint.check()
+
+
+def test_a_reprefill_continues_the_grammar(chat_engine, tokenizer):
+    """After a failover the router prefills prompt + generated: the grammar resumes."""
+    c = Constraint("json_schema", json.dumps(SCHEMAS[0]))
+    [full] = generate_local(chat_engine, prompts(tokenizer)[:1], 40, constraint=c)
+    prompt = prompts(tokenizer)[0]
+    cut = len(full.token_ids) // 2
+    chat_engine.prefill([PrefillSpec("again", prompt + full.token_ids[:cut], SamplingParams(),
+                                     prompt_length=len(prompt), constraint=c)])
+    out = []
+    try:
+        history = prompt + full.token_ids[: cut + 1]
+        out = full.token_ids[: cut + 1]
+        while out[-1] not in chat_engine.eos_token_ids and len(out) < 40:
+            [r] = chat_engine.step([StepItem("again", history[-1])])
+            history += r.tokens
+            out += r.tokens
+    finally:
+        chat_engine.release(["again"])
+    assert out == full.token_ids
+    with pytest.raises(InvalidArgument, match="do not follow"):
+        chat_engine.prefill([PrefillSpec("wrong", prompt + tokenizer.encode("plain words"),
+                                         SamplingParams(), prompt_length=len(prompt),
+                                         constraint=c)])
+
+
+# ------------------------------------------------------------------ sampling
+
+
+def sampled_trees(vocab_ids: list[int], seed: int):
+    """Trees whose root children are drawn from a uniform q over ``vocab_ids`` (tokens the
+    grammar allows and tokens it forbids), each with a random chain below: sampled drafts,
+    which MSS verifies against the masked target."""
+    gen = torch.Generator().manual_seed(seed)
+    q = tuple(1.0 / len(vocab_ids) for _ in vocab_ids)
+
+    def trees(histories):
+        out = []
+        for _ in histories:
+            tree = TokenTree()
+            for rank in range(2):
+                tok = vocab_ids[int(torch.randint(0, len(vocab_ids), (1,), generator=gen))]
+                node = tree.add(ROOT, tok, [Draft(0, rank, tuple(vocab_ids), q)])
+                for _ in range(2):
+                    tok = vocab_ids[int(torch.randint(0, len(vocab_ids), (1,),
+                                                      generator=gen))]
+                    node = tree.add(node, tok, [Draft.one_hot(1, 0, tok)])
+            out.append(tree)
+        return out
+    return trees
+
+
+@pytest.mark.slow  # 2 x N constrained samples
+def test_constrained_sampling_keeps_its_distribution_under_speculation(chat_engine,
+                                                                       tokenizer):
+    """A choice whose mask changes token by token (after "yes" only " please" or the end),
+    sampled at T=1 with sampled trees (drafts the grammar forbids among them): the output
+    strings' distribution with speculation equals plain sampling's (p > 1e-3)."""
+    c = Constraint("choice", choices=("yes", "no", "maybe", "yes please", "no thanks"))
+    vocab_ids = sorted({t for s in c.choices for t in tokenizer.encode(s)}
+                       | {t for s in ("y", "n", "m", " please", "x", " the") for t in
+                          tokenizer.encode(s)})
+    prompt = prompts(tokenizer)[0]
+
+    plain_texts = _sample(chat_engine, prompt, c, None, 0, tokenizer)
+    spec_texts = _sample(chat_engine, prompt, c, sampled_trees(vocab_ids, 7), 10_000, tokenizer)
+    assert set(plain_texts) <= set(c.choices) and set(spec_texts) <= set(c.choices)
+    assert len(set(plain_texts)) >= 3
+    index = {s: i for i, s in enumerate(c.choices)}
+    p = homogeneity_pvalue([index[t] for t in plain_texts], [index[t] for t in spec_texts])
+    assert p > 1e-3, (p, sorted(plain_texts)[:5])
+
+
+def _sample(engine, prompt, constraint, trees, seed0: int, tokenizer) -> list[str]:
+    texts = []
+    for i in range(N):  # one sequence a call: each its own seed
+        [r] = generate_local(engine, [prompt], 8, trees=trees,
+                             params=SamplingParams(1.0, seed=seed0 + i), constraint=constraint)
+        texts.append(tokenizer.decode(r.token_ids[:-1]))
+    return texts
