@@ -17,6 +17,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="apply the chat template")
     p.add_argument("--no-speculation", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", default=None,
+                       help="structured output: the answer is JSON valid against this "
+                            "JSON Schema file")
+    shape.add_argument("--json-object", action="store_true",
+                       help="structured output: the answer is a JSON object")
+    shape.add_argument("--regex", default=None,
+                       help="structured output: the whole answer matches this regex")
+    shape.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                       help="structured output: the answer is one of these (repeat it)")
+    shape.add_argument("--grammar", metavar="FILE", default=None,
+                       help="structured output: a Lark (or GBNF) grammar file")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--api-key", default=None,
                    help="the router's API key (default: SPECINFER_API_KEY)")
@@ -34,6 +46,11 @@ def run(args: argparse.Namespace) -> int:
 
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, speculation=not args.no_speculation)
+    try:
+        kwargs.update(_constraint(args))
+    except OSError as exc:
+        print(f"specinfer: {exc}", file=sys.stderr)
+        return 2
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]
         prompt = None
@@ -64,3 +81,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"specinfer: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _constraint(args: argparse.Namespace) -> dict:
+    """The SDK's structured-output argument the flags ask for (files read here)."""
+    from pathlib import Path
+
+    if args.json_schema:
+        return {"json_schema": Path(args.json_schema).read_text()}
+    if args.grammar:
+        return {"grammar": Path(args.grammar).read_text()}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": args.choice}
+    return {}

@@ -18,6 +18,7 @@ sets it by hand.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -176,8 +177,14 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
                   logprobs: int | None = None, logit_bias: dict[int, float] | None = None,
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                   repetition_penalty: float | None = None,
-                  ignore_eos: bool = False, min_tokens: int = 0) -> router_pb2.GenerateRequest:
-    """``logprobs``: return each token's log-probability and this many alternatives.
+                  ignore_eos: bool = False, min_tokens: int = 0,
+                  json_schema: dict | str | None = None, json_object: bool = False,
+                  regex: str | None = None, choice: list[str] | None = None,
+                  grammar: str | None = None) -> router_pb2.GenerateRequest:
+    """Structured output (at most one): ``json_schema`` (a JSON Schema, as a dict or its
+    JSON text), ``json_object`` (any JSON object), ``regex`` (the whole output matches),
+    ``choice`` (exactly one of these strings), ``grammar`` (Lark, or GBNF with ``::=``).
+    ``logprobs``: return each token's log-probability and this many alternatives.
     ``ignore_eos``: generate past the end-of-sequence token (fixed-length benchmarks).
     ``min_tokens``: no end-of-sequence or stop token id before this many tokens (vLLM's).
     ``logit_bias`` (token id -> bias, clamped to +-100), ``presence_penalty`` and
@@ -200,6 +207,9 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
                                      stop_token_ids=stop_token_ids or [], sampling=sampling,
                                      speculation=speculation, session_id=session_id,
                                      model=model, ignore_eos=ignore_eos)
+    constraint = _constraint(json_schema, json_object, regex, choice, grammar)
+    if constraint is not None:
+        req.constraint.CopyFrom(constraint)
     if messages is not None:
         req.chat.messages.extend(router_pb2.ChatMessage(**m) for m in messages)
     elif token_ids is not None:
@@ -207,6 +217,22 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
     else:
         req.prompt = prompt or ""
     return req
+
+
+def _constraint(json_schema, json_object, regex, choice, grammar) -> common_pb2.Constraint | None:
+    given = {name: value for name, value in (
+        ("json_schema", json_schema), ("json_object", json_object or None), ("regex", regex),
+        ("choice", choice), ("grammar", grammar)) if value is not None}
+    if len(given) > 1:
+        raise ValueError(f"give at most one constraint, not {', '.join(given)}")
+    if not given:
+        return None
+    (name, value), = given.items()
+    if name == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    if name == "choice":
+        return common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=list(value)))
+    return common_pb2.Constraint(**{name: value})
 
 
 def _completion(resp: router_pb2.GenerateResponse) -> Completion:

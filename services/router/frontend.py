@@ -16,11 +16,12 @@ from jinja2.exceptions import TemplateError
 from services.router.limits import Limits
 from services.router.request import GenRequest
 from specinfer.chat import chat_ids
+from specinfer.constraints import Constraint, InvalidConstraint
 from specinfer.errors import InvalidArgument, ModelNotFound, check_token_ids
 from specinfer.sampling import SamplingParams
 from specinfer.stops import stop_token_ids
 from specinfer.v1 import router_pb2
-from specinfer.wire import sampling_from_proto
+from specinfer.wire import constraint_from_proto, sampling_from_proto
 
 MAX_TOKENS_LIMIT = 1 << 20
 
@@ -67,6 +68,7 @@ class Frontend:
     dtype: str = "float32"
     limits: Limits = field(default_factory=Limits)
     _token_bytes: dict[int, bytes] = field(default_factory=dict, repr=False)
+    _checked: dict[str, None] = field(default_factory=dict, repr=False)  # constraint keys
 
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A prompt's ids as the tokenizer makes them by default (with its BOS, for the
@@ -169,6 +171,21 @@ class Frontend:
     def check_ids(self, field: str, ids: list[int]) -> None:
         check_token_ids(field, ids, self.vocab_size)
 
+    def check_constraint(self, constraint: Constraint | None, field: str) -> None:
+        """A structured-output constraint compiles (checked here, without the tokenizer,
+        so a bad one is refused before it is scheduled; the verifier compiles it for its
+        own tokenizer). Checks are cached by the constraint's hash."""
+        if constraint is None or constraint.key in self._checked:
+            return
+        try:
+            constraint.check(field)
+        except InvalidConstraint as exc:
+            message = str(exc).removeprefix(field).lstrip(".: ")
+            raise InvalidArgument(field, message or str(exc)) from None
+        self._checked[constraint.key] = None
+        while len(self._checked) > 1024:
+            self._checked.pop(next(iter(self._checked)))
+
     def check_model(self, model: object) -> None:
         """A request's model: unset (None) or the one served."""
         if model is not None and model != self.model_name:
@@ -201,13 +218,17 @@ def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequ
     fe.limits.check_logprobs("sampling.logprobs", params.logprobs)
     fe.check_ids("sampling.logit_bias", [t for t, _ in params.logit_bias])
     fe.check_ids("stop_token_ids", list(msg.stop_token_ids))
+    constraint = constraint_from_proto(msg.constraint, "constraint")
+    fe.check_constraint(constraint, "constraint")
+    ignore_eos = msg.ignore_eos and constraint is None  # a constraint ends at its EOS
     params = fe.with_min_tokens(params, params.min_tokens, set(msg.stop_token_ids),
-                                msg.ignore_eos, "sampling.min_tokens")
+                                ignore_eos, "sampling.min_tokens")
     return GenRequest(ids, msg.max_tokens, params,
                       speculation=msg.speculation if msg.HasField("speculation") else True,
                       stop=[s for s in msg.stop if s], stop_ids=set(msg.stop_token_ids),
-                      session_id=msg.session_id, ignore_eos=msg.ignore_eos,
-                      operation="chat" if kind == "chat" else "text_completion")
+                      session_id=msg.session_id, ignore_eos=ignore_eos,
+                      operation="chat" if kind == "chat" else "text_completion",
+                      constraint=constraint)
 
 
 class Generation:

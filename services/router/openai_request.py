@@ -5,11 +5,13 @@ field (``openai_http.py`` serves them; ``openapi.py`` documents the same bounds)
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 from services.router.frontend import MAX_TOKENS_LIMIT, Frontend, check_unicode
 from services.router.limits import Limits
 from services.router.request import GenRequest
+from specinfer.constraints import Constraint
 from specinfer.errors import InvalidArgument
 from specinfer.sampling import MAX_LOGPROBS, SamplingParams
 from specinfer.wire import sampling_on_the_wire
@@ -106,7 +108,6 @@ def _logit_bias(body: dict) -> dict[int, float]:
 # output (user, metadata, store, service_tier, ...) are accepted, as are fields the
 # OpenAI API does not define.
 UNSUPPORTED = {
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
     "tools": lambda v: v == [],
     "tool_choice": lambda v: v == "none",
     "functions": lambda v: v == [],
@@ -163,7 +164,8 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
     fe.check_ids("logit_bias", [t for t, _ in params.logit_bias])
     stop_ids = _stop_token_ids(body)
     fe.check_ids("stop_token_ids", sorted(stop_ids))
-    ignore_eos = bool(_flag(body, "ignore_eos"))
+    constraint = structured_output(body, fe)
+    ignore_eos = bool(_flag(body, "ignore_eos")) and constraint is None  # ends at its EOS
     params = fe.with_min_tokens(params, _number(body, "min_tokens", 0, int), stop_ids,
                                 ignore_eos, "min_tokens")
     max_tokens = _max_tokens(body, None if chat else 16, fe.limits)
@@ -176,9 +178,102 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
                 params, seed=(params.seed + i) % 2**64)
             out.append(GenRequest(ids, max_tokens, p, speculation=speculation, stop=stop,
                                   stop_ids=stop_ids, ignore_eos=ignore_eos,
-                                  session_id=session,
+                                  session_id=session, constraint=constraint,
                                   operation="chat" if chat else "text_completion"))
     return out
+
+
+# vLLM's older request fields for structured output, by constraint kind.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
+
+
+def structured_output(body: dict, fe: Frontend) -> Constraint | None:
+    """The request's constraint, from whichever one of OpenAI's ``response_format``, vLLM's
+    ``structured_outputs`` or its ``guided_*`` fields sets one (two: a 400 naming both),
+    checked to compile (a 400 naming the field it came from)."""
+    found = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        constraint = _response_format(fmt)
+        if constraint is not None:
+            found.append(("response_format.json_schema.schema"
+                          if constraint.kind == "json_schema" else "response_format", constraint))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise InvalidArgument("structured_outputs", "must be an object")
+        for key, value in outputs.items():
+            if key in ("json", "regex", "choice", "grammar", "json_object") and value is not None:
+                if key == "json_object" and value is False:
+                    continue
+                found.append((f"structured_outputs.{key}",
+                              _constraint(f"structured_outputs.{key}", key, value)))
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, _constraint(name, kind, body[name])))
+    if body.get("guided_json_object"):  # (never sent with other guided fields)
+        found.append(("guided_json_object", Constraint("json_object")))
+    if len(found) > 1:
+        raise InvalidArgument(found[1][0], f"a request takes one constraint; "
+                              f"{found[0][0]} already sets one")
+    if not found:
+        return None
+    field, constraint = found[0]
+    fe.check_constraint(constraint, field)
+    return constraint
+
+
+def _response_format(fmt: object) -> Constraint | None:
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise InvalidArgument("response_format", 'must be an object with a "type"')
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind != "json_schema":
+        raise InvalidArgument("response_format.type",
+                              f"{kind!r} is not one of text, json_object, json_schema")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidArgument("response_format.json_schema", "must be an object with the "
+                              "schema under \"schema\"")
+    if spec.get("name") is not None and not isinstance(spec["name"], str):
+        raise InvalidArgument("response_format.json_schema.name", "must be a string")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise InvalidArgument("response_format.json_schema.strict", "must be a boolean")
+    schema = spec.get("schema")
+    if schema is None:  # OpenAI's schema is optional: any JSON object then
+        return Constraint("json_object")
+    return _constraint("response_format.json_schema.schema", "json", schema)
+
+
+def _constraint(field: str, kind: str, value: object) -> Constraint:
+    """One constraint from vLLM's spelling: ``json`` (a schema, as an object or its JSON
+    text), ``regex``, ``choice`` (a list of strings), ``grammar`` (Lark or GBNF)."""
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidArgument(field, "must be true")
+        return Constraint("json_object")
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise InvalidArgument(field, f"not JSON: {exc}") from None
+        if not isinstance(value, (dict, bool)):
+            raise InvalidArgument(field, "must be a JSON Schema (an object)")
+        return Constraint("json_schema", json.dumps(value, ensure_ascii=False))
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise InvalidArgument(field, "must be a list of strings")
+        for i, c in enumerate(value):
+            check_unicode(f"{field}[{i}]", c)
+        return Constraint("choice", choices=tuple(value))
+    if not isinstance(value, str):
+        raise InvalidArgument(field, "must be a string")
+    return Constraint(kind, check_unicode(field, value))
 
 
 def _prompt_field(prompts: list, k: int) -> str:

@@ -154,9 +154,7 @@ def _common_properties(model_name: str, vocab_size: int, limits: Limits) -> dict
         "min_tokens": _nullable({"type": "integer", "minimum": 0, "maximum": 2**31 - 1,
                                  "description": "vLLM's: no EOS or stop token id before this "
                                                 "many tokens (default 0)."}),
-        "response_format": _refused({"type": "object", "required": ["type"],
-                                     "properties": {"type": {"const": "text"}}},
-                                    'only {"type": "text"}.'),
+        **_structured_output_properties(),
         "tools": _refused({"type": "array", "maxItems": 0}, "only []."),
         "functions": _refused({"type": "array", "maxItems": 0}, "only []."),
         "tool_choice": _refused({"const": "none"}, 'only "none".'),
@@ -168,6 +166,39 @@ def _common_properties(model_name: str, vocab_size: int, limits: Limits) -> dict
         **{name: _refused({"not": {}}, "only null.") for name in (
             "parallel_tool_calls", "audio", "prediction", "reasoning_effort",
             "web_search_options", "verbosity")},
+    }
+
+
+def _structured_output_properties() -> dict:
+    """Structured output: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    (one constraint a request; whether a schema, regex or grammar compiles is checked on
+    arrival: a 400 naming the field)."""
+    schema = {"type": "object", "description": "A JSON Schema."}
+    choice = {"type": "array", "minItems": 1, "maxItems": 1024,
+              "items": {"type": "string", "minLength": 1}}
+    text = {"type": "string", "minLength": 1}
+    kinds = {"json": {"anyOf": [schema, text]}, "regex": text, "choice": choice,
+             "grammar": {**text, "description": "Lark, or GBNF (::= rules)."},
+             "json_object": {"const": True}}
+    return {
+        "response_format": _nullable({"oneOf": [
+            {"type": "object", "required": ["type"], "additionalProperties": False,
+             "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"],
+             "additionalProperties": False, "properties": {
+                 "type": {"const": "json_schema"},
+                 "json_schema": {"type": "object", "properties": {
+                     "name": {"type": "string"}, "description": {"type": "string"},
+                     "schema": schema, "strict": _nullable({"type": "boolean"})}}}},
+        ], "description": "OpenAI's: json_object (any JSON object) or json_schema (valid "
+                          "against json_schema.schema)."}),
+        "structured_outputs": _nullable({
+            "type": "object", "minProperties": 1, "maxProperties": 1,
+            "properties": kinds, "description": "vLLM's: one of json, regex, choice, "
+                                                "grammar, json_object."}),
+        **{f"guided_{k}": _nullable({**kinds[k], "description": "vLLM's older spelling "
+                                     f"of structured_outputs.{k}."})
+           for k in ("json", "regex", "choice", "grammar")},
     }
 
 

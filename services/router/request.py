@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.trace import INVALID_SPAN, Span
 
+from specinfer.constraints import Constraint
 from specinfer.sampling import SamplingParams, TokenLogprob
 from specinfer.stops import SequenceStops, Stops, stop_token_ids
 from specinfer.v1 import verifier_pb2_grpc
@@ -55,6 +56,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stop_ids: set[int] = field(default_factory=set)
     ignore_eos: bool = False  # EOS does not end it (stop_ids still do)
+    constraint: Constraint | None = None  # structured output (EOS always ends it then)
     session_id: str = ""
     operation: str = "text_completion"  # or "chat" (OpenTelemetry's gen_ai.operation.name)
     id: str = field(default_factory=lambda: f"r{next(_ids)}-{time.monotonic_ns() % 10**9}")
@@ -102,7 +104,9 @@ class GenRequest:
         text, so no stop strings) are read on the first call."""
         if self.stops is None:
             self.stops = SequenceStops(
-                Stops(self.max_tokens, stop_token_ids(eos_ids, self.stop_ids, self.ignore_eos),
+                Stops(self.max_tokens,
+                      stop_token_ids(eos_ids, self.stop_ids,
+                                     self.ignore_eos and self.constraint is None),
                       tuple(self.stop)), detokenize)
         new = tokens[:self.stops.add(tokens)]
         self.generated += new

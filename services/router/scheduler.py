@@ -41,7 +41,7 @@ from specinfer import tracing
 from specinfer.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceError
 from specinfer.tls import TlsConfig
 from specinfer.v1 import common_pb2, verifier_pb2
-from specinfer.wire import draft_plan_to_proto, sampling_to_proto
+from specinfer.wire import constraint_to_proto, draft_plan_to_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,8 @@ class Scheduler:
             try:
                 items.append(verifier_pb2.PrefillItem(
                     sequence_id=r.id, token_ids=r.history, sampling=sampling_to_proto(r.params),
-                    session_id=r.session_id, prompt_length=len(r.prompt_ids)))
+                    session_id=r.session_id, prompt_length=len(r.prompt_ids),
+                    constraint=constraint_to_proto(r.constraint)))
                 ok.append(r)
             except (ValueError, TypeError) as exc:  # fails alone, never blocks the queue
                 log.warning("request cannot be sent to a verifier", extra={
