@@ -4,11 +4,13 @@ messages into the LLM's prompt ids (the tokenizer's chat template)."""
 from __future__ import annotations
 
 
-def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[int]:
     """``messages`` (``[{"role", "content"}]``) through the chat template; with
-    ``generation_prompt``, ending where the assistant's answer begins."""
+    ``generation_prompt``, ending where the assistant's answer begins; ``tools`` for a
+    template that renders them."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                        tokenize=True)
+                                        tokenize=True, **({"tools": tools} if tools else {}))
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 

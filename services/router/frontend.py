@@ -15,6 +15,12 @@ from jinja2.exceptions import TemplateError
 
 from services.router.limits import Limits
 from services.router.request import GenRequest
+from services.router.tools import (
+    Tools,
+    assistant_tool_calls,
+    render_messages,
+    template_knows_tools,
+)
 from specinfer.chat import chat_ids
 from specinfer.constraints import Constraint, InvalidConstraint
 from specinfer.errors import InvalidArgument, ModelNotFound, check_token_ids
@@ -76,19 +82,35 @@ class Frontend:
         vLLM and TGI send); ``add_special_tokens=False``: the text's tokens alone."""
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
+    def encode_chat(self, messages: list[dict], tools: Tools | None = None) -> list[int]:
+        """Chat messages through the template; with ``tools``, the tools in the prompt,
+        assistant turns' ``tool_calls`` and ``tool`` turns (``services.router.tools``)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise InvalidArgument("messages", "this model has no chat template (a base "
                                   "model): send a prompt to /v1/completions instead")
+        turns = []
         for i, m in enumerate(messages):
-            if m.get("role") not in ("system", "user", "assistant"):
-                raise InvalidArgument(f"messages[{i}].role", "must be system, user or assistant")
-        contents = [message_text(f"messages[{i}].content", m.get("content"))
-                    for i, m in enumerate(messages)]
-        try:  # the template sees role and content only, as from the gRPC API
-            return chat_ids(self.tokenizer, [{"role": m["role"], "content": text}
-                                             for m, text in zip(messages, contents,
-                                                                strict=True)])
+            if m.get("role") not in ("system", "user", "assistant", "tool"):
+                raise InvalidArgument(f"messages[{i}].role",
+                                      "must be system, user, assistant or tool")
+            turn = {"role": m["role"]}
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                turn["tool_calls"] = assistant_tool_calls(f"messages[{i}].tool_calls",
+                                                          m["tool_calls"])
+                turn["content"] = "" if m.get("content") is None else \
+                    message_text(f"messages[{i}].content", m["content"])
+            else:
+                turn["content"] = message_text(f"messages[{i}].content", m.get("content"))
+            if m["role"] == "tool" and m.get("tool_call_id") is not None:
+                turn["tool_call_id"] = check_unicode(f"messages[{i}].tool_call_id",
+                                                     str(m["tool_call_id"]))
+            turns.append(turn)
+        native = template_knows_tools(template)
+        try:  # the template sees role and content (and tool calls) only
+            return chat_ids(self.tokenizer, render_messages(turns, tools, native),
+                            tools=[{"type": "function", "function": f}
+                                   for f in tools.functions] if tools and native else None)
         except TemplateError as exc:  # e.g. a template whose roles must alternate
             raise InvalidArgument("messages", f"refused by the chat template: {exc}") from None
 

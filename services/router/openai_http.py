@@ -28,10 +28,16 @@ from services.router.openai_request import openai_requests, stream_usage
 from services.router.openapi import openapi_document, openapi_handler
 from services.router.request import GenRequest
 from services.router.scheduler import Scheduler
+from services.router.tools import may_open_a_call, parse_calls
 from specinfer import metrics, tracing
 from specinfer.errors import InvalidArgument, ServiceError
 
 log = logging.getLogger(__name__)
+
+
+def _calls_finish(reason: str) -> str:
+    """An answer with tool calls ends with finish_reason tool_calls (unless cut short)."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def _error(status: int, message: str, param: str | None = None,
@@ -139,7 +145,13 @@ class OpenAIApi:
             choice = {"index": i, "finish_reason": gen.req.finish_reason,
                       "logprobs": self._logprobs_json(gen.req, 0, len(gen.req.generated),
                                                       chat)}
-            if chat:
+            if chat and gen.req.tools is not None and gen.req.tools.calls:
+                content, calls = parse_calls(gen.sent_text)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+                    choice["finish_reason"] = _calls_finish(gen.req.finish_reason)
+            elif chat:
                 choice["message"] = {"role": "assistant", "content": gen.sent_text}
             else:
                 choice["text"] = gen.sent_text
@@ -165,11 +177,18 @@ class OpenAIApi:
                 data["usage"] = usage
             await resp.write(f"data: {json.dumps(data)}\n\n".encode())
 
-        def choice(i: int, text: str, finish: str | None, role: bool = False,
+        def choice(i: int, text: str | tuple, finish: str | None, role: bool = False,
                    tokens: tuple[int, int] = (0, 0)) -> dict:
-            """``tokens``: the span of the choice's tokens this chunk carries."""
+            """``tokens``: the span of the choice's tokens this chunk carries; ``text``:
+            (content, tool calls) for the chunk that carries an answer's calls."""
             logprobs = self._logprobs_json(gens[i].req, *tokens, chat) \
                 if tokens[1] > tokens[0] else None
+            if chat and isinstance(text, tuple):
+                content, calls = text
+                delta = {"content": content, "tool_calls": [
+                    {"index": k, **call} for k, call in enumerate(calls)]}
+                return {"index": i, "delta": delta, "finish_reason": None,
+                        "logprobs": logprobs}
             if chat:
                 delta = {"role": "assistant", "content": text} if role else \
                     ({"content": text} if finish is None else {})
@@ -184,13 +203,28 @@ class OpenAIApi:
             # A token whose text is held back (an incomplete UTF-8 sequence) has its
             # logprob sent with the next text.
             sent = received = 0
+            # With tools, text that may be the start of a call is held back until it is
+            # known not to be one; a call is sent whole, as tool_calls, at the end.
+            tools = gen.req.tools if chat else None
+            deciding, held = tools is not None and tools.calls, ""
+            finish = None
             try:
                 async for new, delta, _ in gen.deltas():
                     received += len(new)
+                    if deciding:
+                        held += delta
+                        if may_open_a_call(held) and not gen.req.finish_reason:
+                            continue
+                        deciding, delta, held = False, held, ""
+                        content, calls = parse_calls(delta)
+                        if calls:
+                            await queue.put((i, (content, calls), None, (sent, received)))
+                            sent, delta = received, ""
+                            finish = _calls_finish(gen.req.finish_reason)
                     if delta:
                         await queue.put((i, delta, None, (sent, received)))
                         sent = received
-                await queue.put((i, "", gen.req.finish_reason, (sent, received)))
+                await queue.put((i, "", finish or gen.req.finish_reason, (sent, received)))
             except Exception as exc:  # surfaced to the client as an error event
                 await queue.put((i, None, exc, None))
 

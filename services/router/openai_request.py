@@ -11,6 +11,7 @@ import math
 from services.router.frontend import MAX_TOKENS_LIMIT, Frontend, check_unicode
 from services.router.limits import Limits
 from services.router.request import GenRequest
+from services.router.tools import Tools, tools_from_body
 from specinfer.constraints import Constraint
 from specinfer.errors import InvalidArgument
 from specinfer.sampling import MAX_LOGPROBS, SamplingParams
@@ -108,11 +109,8 @@ def _logit_bias(body: dict) -> dict[int, float]:
 # output (user, metadata, store, service_tier, ...) are accepted, as are fields the
 # OpenAI API does not define.
 UNSUPPORTED = {
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v == "none",
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
-    "parallel_tool_calls": lambda v: False,
     "audio": lambda v: False,
     "modalities": lambda v: v == ["text"],
     "prediction": lambda v: False,
@@ -153,7 +151,10 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
     _refuse_unsupported(body)
     _flag(body, "stream")  # read by the HTTP layer: a bool or null, not any truthy value
     stream_usage(body)  # (likewise)
-    prompts = [_chat_ids(fe, body)] if chat else _prompts_ids(fe, body)
+    tools = tools_from_body(body) if chat else None
+    if not chat and body.get("tools"):
+        raise InvalidArgument("tools", "only /v1/chat/completions calls tools")
+    prompts = [_chat_ids(fe, body, tools)] if chat else _prompts_ids(fe, body)
     for k, ids in enumerate(prompts):
         fe.limits.check_prompt("messages" if chat else _prompt_field(prompts, k), len(ids))
     n = _choices(body, fe.limits)
@@ -165,6 +166,12 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
     stop_ids = _stop_token_ids(body)
     fe.check_ids("stop_token_ids", sorted(stop_ids))
     constraint = structured_output(body, fe)
+    if tools is not None and tools.choice != "none":
+        if constraint is not None:
+            raise InvalidArgument("tools", "a request takes one constraint: tools, or a "
+                                  "response format")
+        constraint = tools.constraint()
+        fe.check_constraint(constraint, "tools")
     ignore_eos = bool(_flag(body, "ignore_eos")) and constraint is None  # ends at its EOS
     params = fe.with_min_tokens(params, _number(body, "min_tokens", 0, int), stop_ids,
                                 ignore_eos, "min_tokens")
@@ -178,7 +185,7 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
                 params, seed=(params.seed + i) % 2**64)
             out.append(GenRequest(ids, max_tokens, p, speculation=speculation, stop=stop,
                                   stop_ids=stop_ids, ignore_eos=ignore_eos,
-                                  session_id=session, constraint=constraint,
+                                  session_id=session, constraint=constraint, tools=tools,
                                   operation="chat" if chat else "text_completion"))
     return out
 
@@ -321,13 +328,13 @@ def _integral(value: object) -> bool:
         isinstance(value, int) or (isinstance(value, float) and value.is_integer()))
 
 
-def _chat_ids(fe: Frontend, body: dict) -> list[int]:
+def _chat_ids(fe: Frontend, body: dict, tools: Tools | None) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages", "must be a non-empty list")
     if not all(isinstance(m, dict) for m in messages):
         raise InvalidArgument("messages", "each message must be an object")
-    return fe.encode_chat(messages)
+    return fe.encode_chat(messages, tools)
 
 
 def _max_tokens(body: dict, default: int | None, limits: Limits) -> int:

@@ -155,16 +155,14 @@ def _common_properties(model_name: str, vocab_size: int, limits: Limits) -> dict
                                  "description": "vLLM's: no EOS or stop token id before this "
                                                 "many tokens (default 0)."}),
         **_structured_output_properties(),
-        "tools": _refused({"type": "array", "maxItems": 0}, "only []."),
         "functions": _refused({"type": "array", "maxItems": 0}, "only []."),
-        "tool_choice": _refused({"const": "none"}, 'only "none".'),
         "function_call": _refused({"const": "none"}, 'only "none".'),
         "modalities": _refused({"const": ["text"]}, 'only ["text"].'),
         "best_of": _refused({"const": 1}, "only 1."),
         "echo": _refused({"const": False}, "only false."),
         "suffix": _refused({"const": ""}, 'only "".'),
         **{name: _refused({"not": {}}, "only null.") for name in (
-            "parallel_tool_calls", "audio", "prediction", "reasoning_effort",
+            "audio", "prediction", "reasoning_effort",
             "web_search_options", "verbosity")},
     }
 
@@ -199,6 +197,30 @@ def _structured_output_properties() -> dict:
         **{f"guided_{k}": _nullable({**kinds[k], "description": "vLLM's older spelling "
                                      f"of structured_outputs.{k}."})
            for k in ("json", "regex", "choice", "grammar")},
+    }
+
+
+def _tool_properties() -> dict:
+    """Chat's tools (the answer is text or calls; required or named: calls only)."""
+    fn = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+        "description": {"type": "string"},
+        "parameters": {"type": "object", "description": "A JSON Schema."}}}
+    return {
+        "tools": _nullable({"type": "array", "maxItems": 128, "items": {
+            "type": "object", "required": ["type", "function"],
+            "properties": {"type": {"const": "function"}, "function": fn}},
+            "description": "Functions the model may call (names unique)."}),
+        "tool_choice": _nullable({"anyOf": [
+            {"enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"], "properties": {
+                "type": {"const": "function"}, "function": {
+                    "type": "object", "required": ["name"],
+                    "properties": {"name": {"type": "string"}}}}}],
+            "description": "auto (default with tools), none, required or a named function "
+                           "(one of tools; needs tools)."}),
+        "parallel_tool_calls": _nullable({"type": "boolean", "description": "Several calls "
+                                          "in one answer (default true)."}),
     }
 
 
@@ -237,9 +259,18 @@ def _request_schemas(model_name: str, vocab_size: int, max_context: int,
         "type": "object",
         "required": ["messages"],
         "properties": {
+            **_tool_properties(),
             "messages": {"type": "array", "minItems": 1, "items": {
                 "type": "object", "required": ["role", "content"],
-                "properties": {"role": {"enum": ["system", "user", "assistant"]},
+                "properties": {"role": {"enum": ["system", "user", "assistant", "tool"]},
+                               "tool_call_id": {"type": "string"},
+                               "tool_calls": {"type": "array", "items": {
+                                   "type": "object", "required": ["function"],
+                                   "properties": {"function": {
+                                       "type": "object", "required": ["name", "arguments"],
+                                       "properties": {"name": {"type": "string"},
+                                                      "arguments": {"type": "string",
+                                                                    "pattern": "^\\{.*\\}$"}}}}}},
                                "content": {"anyOf": [{"type": "string"}, {
                                    "type": "array", "minItems": 1, "items": {
                                        "type": "object", "required": ["type", "text"],
@@ -272,7 +303,7 @@ def _response_schemas() -> dict:
                                 "type": "object", "properties": {
                                     "steps": nonneg,
                                     "accepted_per_step": {"type": "array", "items": nonneg}}}}}
-    finish = {"enum": ["stop", "length"]}
+    finish = {"enum": ["stop", "length", "tool_calls"]}
     top_entry = {"type": "object", "required": ["token", "logprob", "bytes"],
                  "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
                                 "bytes": {"type": "array", "items": {
@@ -304,13 +335,19 @@ def _response_schemas() -> dict:
     text_choice = {"type": "object", "required": ["index", "text", "finish_reason", "logprobs"],
                    "properties": {"index": nonneg, "text": {"type": "string"},
                                   "finish_reason": finish, "logprobs": text_logprobs}}
+    call = {"type": "object", "required": ["id", "type", "function"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string"}}}}}
     chat_choice = {"type": "object",
                    "required": ["index", "message", "finish_reason", "logprobs"],
                    "properties": {"index": nonneg, "finish_reason": finish,
                                   "logprobs": chat_logprobs, "message": {
                                       "type": "object", "required": ["role", "content"],
                                       "properties": {"role": {"const": "assistant"},
-                                                     "content": {"type": "string"}}}}}
+                                                     "content": {"type": ["string", "null"]},
+                                                     "tool_calls": {"type": "array",
+                                                                    "items": call}}}}}
 
     def chunk(obj: str, choice: dict) -> dict:
         """A streamed chunk: deltas of some choices, or (the last) none and the usage."""
@@ -328,7 +365,7 @@ def _response_schemas() -> dict:
              "contentSchema": {"anyOf": [{"$ref": ref + name}, {"$ref": ref + "Error"}]}},
         ]}}}
 
-    streaming = {"enum": ["stop", "length", None]}
+    streaming = {"enum": ["stop", "length", "tool_calls", None]}
     text_delta = {**text_choice, "properties": {**text_choice["properties"],
                                                 "finish_reason": streaming}}
     chat_delta = {"type": "object", "required": ["index", "delta", "finish_reason", "logprobs"],
@@ -336,7 +373,13 @@ def _response_schemas() -> dict:
                                  "logprobs": chat_logprobs, "delta": {
                                      "type": "object",
                                      "properties": {"role": {"const": "assistant"},
-                                                    "content": {"type": "string"}}}}}
+                                                    "content": {"type": ["string", "null"]},
+                                                    "tool_calls": {"type": "array", "items": {
+                                                        **call, "required": ["index", *call[
+                                                            "required"]],
+                                                        "properties": {
+                                                            "index": nonneg,
+                                                            **call["properties"]}}}}}}}
     return {
         "Completion": completion("text_completion", text_choice),
         "ChatCompletion": completion("chat.completion", chat_choice),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.trace import INVALID_SPAN, Span
 
+from services.router.tools import Tools
 from specinfer.constraints import Constraint
 from specinfer.sampling import SamplingParams, TokenLogprob
 from specinfer.stops import SequenceStops, Stops, stop_token_ids
@@ -57,6 +58,7 @@ class GenRequest:
     stop_ids: set[int] = field(default_factory=set)
     ignore_eos: bool = False  # EOS does not end it (stop_ids still do)
     constraint: Constraint | None = None  # structured output (EOS always ends it then)
+    tools: Tools | None = None  # chat tools: the answer is parsed for calls
     session_id: str = ""
     operation: str = "text_completion"  # or "chat" (OpenTelemetry's gen_ai.operation.name)
     id: str = field(default_factory=lambda: f"r{next(_ids)}-{time.monotonic_ns() % 10**9}")
