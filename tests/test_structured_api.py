@@ -156,3 +156,114 @@ def test_the_grpc_sdk_takes_the_same_constraints(stack):
         assert err.value.message.startswith("constraint")
         with pytest.raises(ValueError):
             c.generate("x", max_tokens=4, regex="a", choice=["a"])
+
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 99},
+            "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["a", "b"], "additionalProperties": False}}},
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def calls_of(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+
+
+def check_call(name: str, args: dict) -> None:
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+    jsonschema.validate(args, schema)
+
+
+@pytest.mark.parametrize("tool_choice,parallel", [
+    ("required", False), ("required", True),
+    ({"type": "function", "function": {"name": "add"}}, False)])
+def test_required_and_named_tool_choice_answer_with_valid_calls(stack, tool_choice, parallel):
+    import openai
+
+    client = openai.OpenAI(base_url=stack["http"] + "/v1", api_key="unused")
+    kwargs = dict(model=stack["model"], messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                  parallel_tool_calls=parallel, max_tokens=120, temperature=0)
+    out = client.chat.completions.create(**kwargs).choices[0]
+    off = client.chat.completions.create(**kwargs, extra_body={"speculation": False})
+    assert out.finish_reason == "tool_calls", out
+    assert out.message.content is None
+    calls = calls_of(out.message)
+    assert calls == calls_of(off.choices[0].message)
+    assert calls and (parallel or len(calls) == 1)
+    for name, args in calls:
+        check_call(name, args)
+        if isinstance(tool_choice, dict):
+            assert name == "add"
+    assert all(c.id.startswith("call_") and c.type == "function"
+               for c in out.message.tool_calls)
+    # Streamed: the same calls as delta.tool_calls, then finish_reason tool_calls.
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed] == calls
+    assert [t.index for t in streamed] == list(range(len(calls)))
+    assert not "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_tool_call_round_trip_and_auto(stack):
+    """The assistant's call (content null) and the tool's answer (tool_call_id) go back
+    into the conversation; ``auto`` answers with text or with valid calls."""
+    import openai
+
+    client = openai.OpenAI(base_url=stack["http"] + "/v1", api_key="unused")
+    first = client.chat.completions.create(model=stack["model"], messages=ASK, tools=TOOLS,
+                                           tool_choice="required", max_tokens=120,
+                                           temperature=0).choices[0].message
+    call = first.tool_calls[0]
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function",
+         "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    for choice in ("auto", "none"):
+        kwargs = dict(model=stack["model"], messages=messages, tools=TOOLS,
+                      tool_choice=choice, max_tokens=40, temperature=0)
+        answer = client.chat.completions.create(**kwargs).choices[0]
+        off = client.chat.completions.create(**kwargs, extra_body={"speculation": False})
+        assert answer.message.content == off.choices[0].message.content
+        if answer.message.tool_calls:
+            assert choice == "auto" and answer.finish_reason == "tool_calls"
+            for name, args in calls_of(answer.message):
+                check_call(name, args)
+        else:
+            assert answer.finish_reason in ("stop", "length")
+            assert not (answer.message.content or "").lstrip().startswith("<tool_call>") \
+                or choice == "none"
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                           client.chat.completions.create(**kwargs, stream=True)
+                           if ch.choices)
+        assert streamed == (answer.message.content or "")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+     "tools[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tools"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(stack, body, param):
+    status, payload = http_post(stack["http"] + "/v1/chat/completions",
+                                json.dumps({"messages": ASK, **body}).encode())
+    assert status == 400, payload
+    assert payload["error"]["param"] == param, payload
+    status, payload = http_post(stack["http"] + "/v1/completions",
+                                json.dumps({"prompt": "x", "tools": TOOLS}).encode())
+    assert status == 400 and payload["error"]["param"] == "tools"
