@@ -71,6 +71,7 @@ class UpConfig(Flags):
                              help="the speculators' and verifiers' corpus drafts: auto, none "
                              "or a saved .npz")
     speculation: str = forward(RouterConfig, "speculation")
+    chat_template: str = forward(RouterConfig, "chat_template")
     spec_max_batch: int = forward(RouterConfig, "spec_max_batch")
     speculate_timeout: float | None = forward(
         RouterConfig, "speculate_timeout", default=None,

@@ -37,7 +37,7 @@ def stack(processes, tiny_chat_llm):
     router = processes.router(tiny_chat_llm, [verifier], "--http-port", str(http_port),
                               "--speculation", "lookup")
     return {"addr": router.addr, "http": f"http://127.0.0.1:{http_port}",
-            "model": tiny_chat_llm}
+            "model": tiny_chat_llm, "verifier": verifier}
 
 
 def post(stack, path: str, body: dict) -> dict:
@@ -267,3 +267,27 @@ def test_bad_tool_requests_are_400_naming_the_field(stack, body, param):
     status, payload = http_post(stack["http"] + "/v1/completions",
                                 json.dumps({"prompt": "x", "tools": TOOLS}).encode())
     assert status == 400 and payload["error"]["param"] == "tools"
+
+
+def test_a_chat_template_flag_replaces_the_models(stack, processes, tiny_chat_llm, tmp_path):
+    """``--chat-template FILE``: the router renders with it; one that reads ``tools``
+    renders them itself (no default tool prompt)."""
+    from specinfer.models import load_tokenizer
+
+    template = tmp_path / "tools.jinja"
+    template.write_text(
+        "{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}\n"
+        "{% endif %}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    http_port = free_port()
+    processes.router(tiny_chat_llm, [stack["verifier"]], "--http-port", str(http_port),
+                     "--chat-template", str(template))
+    tok = load_tokenizer(tiny_chat_llm)
+    tok.chat_template = template.read_text()
+    for tools in (None, TOOLS):
+        body = {"messages": ASK, "max_tokens": 2, **({"tools": tools} if tools else {})}
+        out = post({"http": f"http://127.0.0.1:{http_port}"}, "/v1/chat/completions", body)
+        expected = tok.apply_chat_template(ASK, tools=tools, add_generation_prompt=True,
+                                           tokenize=True)
+        expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+        assert out["usage"]["prompt_tokens"] == len(expected)

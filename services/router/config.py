@@ -21,6 +21,9 @@ class RouterConfig(Flags):
 
     llm: str = flag(DEFAULT_LLM, "for the tokenizer and chat template")
     model_name: str = flag("", "name in the API (default: --llm)")
+    chat_template: str = flag("", "a Jinja chat template file used instead of the model's "
+                              "(as vLLM's --chat-template); a template that reads `tools` "
+                              "renders tool prompts itself", metavar="FILE")
     verifier: tuple[str, ...] = flag(
         (), "verifier address (repeatable); with --discovery dns a name resolving to every "
         "replica, with kubernetes a Service: SERVICE[.NS][:PORT]", repeatable=True,

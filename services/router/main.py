@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 from services.router import auth, discovery
 from services.router.config import RouterConfig
@@ -54,6 +55,11 @@ async def serve(config: RouterConfig, tls_config: tls.TlsConfig | None, keys: au
     await service.start()
     loop = asyncio.get_running_loop()
     tokenizer = await loop.run_in_executor(None, load_tokenizer, config.llm)
+    if config.chat_template:
+        try:
+            tokenizer.chat_template = Path(config.chat_template).read_text()
+        except OSError as exc:
+            raise SystemExit(f"--chat-template: {exc}") from None
     model_name = config.model_name or config.llm
     router_metrics = RouterMetrics(model_name)
     metrics.serve_metrics(router_metrics.registry, config.host, config.metrics_port)
