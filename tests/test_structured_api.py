@@ -30,14 +30,16 @@ SCHEMA = {"type": "object", "properties": {
 
 @pytest.fixture(scope="module")
 def stack(processes, tiny_chat_llm):
+    metrics_port = free_port()
     verifier = processes.start("verifier", "--llm", tiny_chat_llm, "--slots", "8",
                                "--max-context", "512", "--threads", "1", "--datastore", "none",
-                               "--draft-head", "none")
+                               "--draft-head", "none", "--metrics-port", str(metrics_port))
     http_port = free_port()
     router = processes.router(tiny_chat_llm, [verifier], "--http-port", str(http_port),
                               "--speculation", "lookup")
     return {"addr": router.addr, "http": f"http://127.0.0.1:{http_port}",
-            "model": tiny_chat_llm, "verifier": verifier}
+            "model": tiny_chat_llm, "verifier": verifier,
+            "verifier_metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
 
 
 def post(stack, path: str, body: dict) -> dict:
@@ -291,3 +293,33 @@ def test_a_chat_template_flag_replaces_the_models(stack, processes, tiny_chat_ll
                                            tokenize=True)
         expected = expected["input_ids"] if hasattr(expected, "keys") else expected
         assert out["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_structured_metrics_count_requests_compiles_and_forced_tokens(stack):
+    """The router counts structured requests by kind; the verifier its grammar cache
+    lookups, compiles and forced tokens (each must move with this test's requests)."""
+    from servers import scrape
+
+    def total(samples, name, **labels):
+        return sum(v for k, v in samples.items() if k.split("{")[0] == name and all(
+            f'{a}="{b}"' in k for a, b in labels.items()))
+
+    router, verifier = stack["http"] + "/metrics", stack["verifier_metrics"]
+    before, verifier_before = scrape(router), scrape(verifier)
+    assert any('kind="tools"' in k for k in before)  # every kind exists from the start
+    regex = f"[a-c]{{4}}-[0-9]{{2}}-{free_port()}"  # a new grammar: one compile
+    body = {"prompt": "Data: ", "max_tokens": 40, "temperature": 0, "guided_regex": regex}
+    post(stack, "/v1/completions", body)
+    post(stack, "/v1/completions", body)
+    after, verifier_after = scrape(router), scrape(verifier)
+    name = "specinfer:structured_requests_total"
+    assert total(after, name, kind="regex") - total(before, name, kind="regex") == 2
+    lookups = "specinfer:grammar_cache_lookups_total"
+    assert total(verifier_after, lookups, result="miss") - \
+        total(verifier_before, lookups, result="miss") == 1
+    assert total(verifier_after, lookups, result="hit") - \
+        total(verifier_before, lookups, result="hit") == 1
+    assert total(verifier_after, "specinfer:grammar_compile_seconds_count") > \
+        total(verifier_before, "specinfer:grammar_compile_seconds_count")
+    forced = "specinfer:grammar_forced_tokens_total"  # the regex's "-" after 4 letters
+    assert total(verifier_after, forced) > total(verifier_before, forced)

@@ -27,6 +27,7 @@ from specinfer.metrics import (
 )
 
 LABEL = ["model_name"]
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools")
 
 
 class RouterMetrics:
@@ -97,6 +98,11 @@ class RouterMetrics:
                                      "failed over.", LABEL + ["role", "replica"], registry=r)
         self.failovers = counter("failovers", "Replicas failed over (sequences moved or a "
                                  "step decoded without drafts).", ("role",))
+        self.structured = counter("structured_requests", "Requests with structured output, "
+                                  "by constraint kind (json_schema, json_object, regex, "
+                                  "choice, grammar, tools).", ("kind",))
+        for kind in STRUCTURED_KINDS:
+            self.structured.labels(kind=kind, **m)
         self._labels = m
 
     def watch_queues(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
@@ -111,6 +117,9 @@ class RouterMetrics:
         if not req.admitted_at:
             req.admitted_at = now
             self.queue_time.observe(now - req.created)
+            if req.constraint is not None:
+                kind = "tools" if req.tools is not None else req.constraint.kind
+                self.structured.labels(kind=kind, **self._labels).inc()
 
     def prefilled(self, req: GenRequest) -> None:
         if not req.prompt_counted:
