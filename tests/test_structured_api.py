@@ -323,3 +323,39 @@ def test_structured_metrics_count_requests_compiles_and_forced_tokens(stack):
         total(verifier_before, "specinfer:grammar_compile_seconds_count")
     forced = "specinfer:grammar_forced_tokens_total"  # the regex's "-" after 4 letters
     assert total(verifier_after, forced) > total(verifier_before, forced)
+
+
+def test_a_constrained_request_survives_a_verifier_kill(processes, tiny_chat_llm):
+    """Two verifiers; one is killed mid-generation: the router prefills its sequences
+    again elsewhere (prompt + generated, the grammar replayed there) and every constrained
+    answer is the one it would have been."""
+    import asyncio
+
+    from specinfer.client import AsyncClient
+
+    verifiers = [processes.start("verifier", "--llm", tiny_chat_llm, "--slots", "8",
+                                 "--max-context", "512", "--threads", "1", "--datastore",
+                                 "none", "--draft-head", "none") for _ in range(2)]
+    router = processes.router(tiny_chat_llm, verifiers, "--speculation", "lookup")
+    prompts = [f"Record {i}: " for i in range(6)]
+    with Client(router.addr) as c:
+        reference = {p: c.generate(p, max_tokens=80, json_schema=SCHEMA,
+                                   speculation=False).text for p in prompts}
+
+    async def one(client, prompt):
+        text = ""
+        async for ch in client.stream(prompt, max_tokens=80, json_schema=SCHEMA):
+            text += ch.text
+            await asyncio.sleep(0.05)
+        return prompt, text
+
+    async def main():
+        async with AsyncClient(router.addr) as client:
+            tasks = [asyncio.create_task(one(client, p)) for p in prompts]
+            await asyncio.sleep(0.6)
+            verifiers[0].proc.kill()
+            return await asyncio.gather(*tasks)
+
+    for prompt, text in asyncio.run(main()):
+        assert text == reference[prompt]
+        jsonschema.validate(json.loads(text), SCHEMA)
