@@ -21,6 +21,8 @@ def open_request_span(req: GenRequest, model: str) -> None:
                   "gen_ai.request.temperature": params.temperature,
                   "gen_ai.request.top_p": params.top_p, "gen_ai.request.top_k": params.top_k,
                   "specinfer.sequence_id": req.id, "specinfer.speculation": req.speculation}
+    if req.constraint is not None:  # structured output (tools: a grammar of calls)
+        attributes["specinfer.constraint"] = "tools" if req.tools else req.constraint.kind
     if params.seed is not None and params.seed < 2**63:  # OTLP integers are 64-bit signed
         attributes["gen_ai.request.seed"] = params.seed
     req.span = tracing.request_span(f"{req.operation} {model}".strip(), attributes)

@@ -75,7 +75,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down: "
                                 "prefill on another replica")
-        constraints = await self._compile(context, request.items)
+        constraints, compile_s, hits = await self._compile(context, request.items)
 
         def run(engine: VerifierEngine):
             specs = []
@@ -94,17 +94,23 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.metrics.prefill_tokens.inc(tokens - reused)
         _annotate(batch_size=len(out), prompt_tokens=tokens, reused_tokens=reused,
                   engine_seconds=seconds)
+        kinds = sorted({c.kind for c in constraints if c is not None})
+        if kinds:
+            _annotate(constraint_kinds=kinds, grammar_compile_seconds=compile_s,
+                      grammar_cache_hits=hits)
         return verifier_pb2.PrefillResponse(results=[
             verifier_pb2.PrefillResult(sequence_id=r.sequence_id, token=r.token,
                                        reused_tokens=r.reused_tokens,
                                        logprob=_first_logprob(r.logprobs)) for r in out
         ])
 
-    async def _compile(self, context: grpc.aio.ServicerContext, items) -> list:
+    async def _compile(self, context: grpc.aio.ServicerContext, items
+                       ) -> tuple[list, float, int]:
         """Each item's constraint (or None), its grammar compiled (or found in the cache)
         on a worker thread, off the engine's: a slow compile holds no other request's
-        step. A constraint that does not compile is INVALID_ARGUMENT naming the item."""
-        out = []
+        step. A constraint that does not compile is INVALID_ARGUMENT naming the item.
+        Also returns the seconds spent compiling and the cache hits."""
+        out, compile_s, hits = [], 0.0, 0
         for i, item in enumerate(items):
             field = f"items[{i}].constraint"
             try:
@@ -114,11 +120,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     await asyncio.get_running_loop().run_in_executor(
                         None, grammars.compile, constraint, field)
                     self.metrics.grammar(constraint.kind, grammars.last_compile_s)
+                    compile_s += grammars.last_compile_s
+                    hits += not grammars.last_compile_s
             except (InvalidArgument, InvalidConstraint) as exc:
                 await abort_on_error(context, exc if isinstance(exc, InvalidArgument)
                                      else InvalidArgument(field, _after(str(exc), field)))
             out.append(constraint)
-        return out
+        return out, compile_s, hits
 
     async def Step(self, request, context):
         out, seconds = await self._call(context, "Step", lambda engine: engine.step(
