@@ -8,6 +8,7 @@ CHECKOV_VENV ?= .venv-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.setup-done
 PROTOS := $(wildcard proto/specinfer/v1/*.proto)
 
+.PHONY: test-structured
 .PHONY: setup proto lint test test-fast run bench bench-quick soak fuzz bench-tracing gpu-wheels clean
 .PHONY: chart checkov-venv
 .PHONY: image
@@ -48,6 +49,12 @@ test: setup lint $(CHECKOV_STAMP)
 # model, long training). `make test` runs both tiers.
 test-fast: setup
 	$(VENV)/bin/pytest -m "not processes and not slow"
+
+# Structured output's full matrix: every constraint in every number format (float32,
+# bfloat16, int8) under every kind of draft, and the stack tests (`make test` runs a
+# cross-section).
+test-structured: setup
+	SPECINFER_STRUCTURED_MATRIX=1 $(VENV)/bin/pytest tests/test_structured.py tests/test_structured_api.py
 
 # The Helm chart (deploy/helm/specinfer): helm lint and render with the real Helm library,
 # every object validated against the Kubernetes 1.31 schemas, invariants (GPUs, probes,

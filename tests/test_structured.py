@@ -8,6 +8,7 @@ refused by name, and constrained sampling keeps its distribution under speculati
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import jsonschema
@@ -23,6 +24,7 @@ from specinfer.constraints import Constraint, InvalidConstraint
 from specinfer.drafting import DraftPlan
 from specinfer.errors import InvalidArgument
 from specinfer.models import load_tokenizer
+from specinfer.placement import resolve
 from specinfer.sampling import SamplingParams
 from specinfer.tree import ROOT, Draft, TokenTree
 
@@ -44,14 +46,39 @@ SCHEMAS = [
 ]
 CONSTRAINTS = (
     [Constraint("json_schema", json.dumps(s)) for s in SCHEMAS]
+    + [Constraint("json_schema", json.dumps(s)) for s in (
+        {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0,
+                                                 "maximum": 999},
+                                          "score": {"type": "number"}},
+         "required": ["id"], "additionalProperties": False},
+        {"type": "array", "items": {"type": "object", "properties": {
+            "k": {"type": "string", "maxLength": 4}}, "required": ["k"],
+            "additionalProperties": False}, "maxItems": 2},
+        {"anyOf": [{"type": "integer"}, {"type": "boolean"}]},
+        {"type": "object", "properties": {"status": {"const": "ok"},
+                                          "items": {"type": "array", "maxItems": 3,
+                                                    "items": {"type": "integer"}}},
+         "required": ["status", "items"], "additionalProperties": False},
+        {"type": "string", "pattern": "^[A-Z][a-z]{2,6}$"},
+    )]
     + [Constraint("json_object"),
        Constraint("regex", r"[0-9]{3}-[0-9]{4}"),
        Constraint("regex", r"(yes|no), because [a-z ]{1,20}\."),
+       Constraint("regex", r"[A-Z]{2}[0-9]{2} ?[a-z]+"),
+       Constraint("regex", r"(ab|abc|abcd)+!"),
        Constraint("choice", choices=("positive", "negative", "neutral")),
+       Constraint("choice", choices=("New York", "New Delhi", "Newcastle", "Paris")),
+       Constraint("choice", choices=("a", "ab", "abc")),
        Constraint("grammar", 'start: "(" num " " op " " num ")"\nnum: /[0-9]{1,3}/\n'
                              'op: "+" | "-" | "*"'),
        Constraint("grammar", 'root ::= "The answer is " [0-9]+ "."')]
 )
+# ``make test`` runs every constraint in float32 and a cross-section in bfloat16;
+# SPECINFER_STRUCTURED_MATRIX=1 (``make test-structured``) every one in every format.
+FULL = os.environ.get("SPECINFER_STRUCTURED_MATRIX") == "1"
+CASES = [(c, "float32") for c in CONSTRAINTS] + [
+    (c, fmt) for fmt in (("bfloat16", "int8") if FULL else ("bfloat16",))
+    for i, c in enumerate(CONSTRAINTS) if FULL or i % 4 == 0]
 
 
 def follows(constraint: Constraint, text: str) -> bool:
@@ -68,17 +95,33 @@ def follows(constraint: Constraint, text: str) -> bool:
         except ValueError:
             return False
     if constraint.kind == "regex":
-        return re.fullmatch(constraint.spec, text) is not None
+        return re.fullmatch(constraint.spec, text, re.ASCII) is not None
     if constraint.kind == "choice":
         return text in constraint.choices
     return (re.fullmatch(r"\(\d{1,3} [-+*] \d{1,3}\)", text) is not None
             or re.fullmatch(r"The answer is \d+\.", text) is not None)
 
 
+ENGINE = EngineConfig(max_context=256, slots=4, max_tree_nodes=24)
+
+
 @pytest.fixture(scope="module")
 def chat_engine(tiny_chat_llm):
-    return build_engine(tiny_chat_llm, EngineConfig(max_context=256, slots=4,
-                                                    max_tree_nodes=24))
+    return build_engine(tiny_chat_llm, ENGINE)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_chat_llm, chat_engine):
+    """An engine per number format, built on first use."""
+    built = {"float32": chat_engine}
+
+    def get(fmt: str):
+        if fmt not in built:
+            placement = resolve("cpu", quantize="int8") if fmt == "int8" else \
+                resolve("cpu", fmt)
+            built[fmt] = build_engine(tiny_chat_llm, ENGINE, placement=placement)
+        return built[fmt]
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +139,13 @@ def decoys(seed: int):
                                          49152, gen) for _ in histories]
 
 
-@pytest.mark.parametrize("constraint", CONSTRAINTS, ids=lambda c: f"{c.kind}-{c.key[:6]}")
-def test_constrained_greedy_is_the_same_with_every_kind_of_draft(chat_engine, tokenizer,
-                                                                 constraint):
+@pytest.mark.parametrize("constraint,fmt", CASES,
+                         ids=[f"{c.kind}-{c.key[:6]}-{f}" for c, f in CASES])
+def test_constrained_greedy_is_the_same_with_every_kind_of_draft(engines, tokenizer,
+                                                                 constraint, fmt):
+    """In each format against its own plain constrained decoding (float32's plain decoding
+    is transformers' argmax: tests/test_verifier_engine.py)."""
+    chat_engine = engines(fmt)
     plain = generate_local(chat_engine, prompts(tokenizer), 48, constraint=constraint)
     eos = chat_engine.eos_token_ids[0]
     for r in plain:  # a finished output follows the constraint
