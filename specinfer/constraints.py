@@ -97,7 +97,7 @@ def choice_lark(choices: tuple[str, ...], field: str) -> str:
     if any(not isinstance(c, str) or not c for c in choices):
         raise InvalidConstraint(f"{field}: every choice must be a non-empty string")
     # Lark string literals take JSON's escapes.
-    return "start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
 
 
 def lark(grammar: str, field: str) -> str:

@@ -108,7 +108,7 @@ class GrammarCompiler:
               field: str = "constraint") -> SequenceGrammar:
         """A sequence's grammar after ``generated`` (its tokens after the prompt)."""
         grammar = SequenceGrammar(self.compile(constraint, field).deep_copy(), self.vocab_size,
-                                  constraint.kind)
+                                  constraint.kind, self.eos_ids)
         if generated and not grammar.matcher.consume_tokens(list(generated)):
             raise InvalidConstraint(f"{field}: the tokens generated so far do not follow it")
         return grammar
@@ -117,11 +117,17 @@ class GrammarCompiler:
 class SequenceGrammar:
     """One sequence's matcher, after all of its generated tokens."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, kind: str) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, kind: str,
+                 eos_ids: Sequence[int] = ()) -> None:
         self.matcher = matcher
+        self.eos_ids = list(eos_ids)
         self.vocab_size = vocab_size
         self.kind = kind
         self.forced_tokens = 0  # tokens drafted because the grammar forced them
+        # The matcher refused a token its own mask allowed (a library inconsistency seen
+        # with choices of odd multi-byte characters): from then on only the end of
+        # sequence is allowed, so the sequence ends instead of failing its whole batch.
+        self.broken = False
 
     @property
     def finished(self) -> bool:
@@ -135,6 +141,11 @@ class SequenceGrammar:
     def fill(self, masks: torch.Tensor, row: int) -> None:
         """``masks[row]``: the tokens allowed next in the matcher's state."""
         target = masks[row]
+        if self.broken:
+            target.zero_()
+            for eos in self.eos_ids:
+                target[eos >> 5] |= _bit(eos & 31)
+            return
         self.matcher.unsafe_compute_mask_ptr(target.data_ptr(),
                                              target.numel() * target.element_size())
 
@@ -142,9 +153,12 @@ class SequenceGrammar:
         """Consume accepted tokens (each was allowed: its row was masked). Once the grammar
         has stopped, only the end of sequence was allowed: nothing is left to consume."""
         for token in tokens:
-            if self.matcher.is_stopped():
+            if self.matcher.is_stopped() or self.broken:
                 return
-            self._consume(token)
+            if not self.matcher.consume_token(token):
+                log.warning("grammar refused a token its mask allowed: the sequence ends",
+                            extra={"error": (self.matcher.get_error() or "")[:200]})
+                self.broken = True
 
     def shape(self, tree: TokenTree, greedy: bool, room: int) -> tuple[TokenTree, torch.Tensor]:
         """The tree cut to the grammar and extended by forced tokens (at most ``room`` new
@@ -161,7 +175,7 @@ class SequenceGrammar:
             kept = 0
             for child in children.get(old, ()):
                 token, drafts = tree.tokens[child], tree.drafts[child]
-                if allowed(masks[row], token):
+                if allowed(masks[row], token) and self.matcher.validate_tokens([token]):
                     node = out.add(new, token, drafts)
                     self._consume(token)
                     self.fill(masks, 1 + node)
@@ -180,6 +194,7 @@ class SequenceGrammar:
     def _force(self, out: TokenTree, node: int, masks: torch.Tensor, left: list[int]) -> None:
         """Append below ``node`` the chain of tokens the grammar forces in its state."""
         forced = self.matcher.compute_ff_tokens()[: left[0]]
+        forced = forced[: self.matcher.validate_tokens(forced)] if forced else forced
         consumed = 0
         for token in forced:
             row = 0 if node == ROOT else 1 + node
@@ -204,6 +219,11 @@ def allowed(mask: torch.Tensor, token: int) -> bool:
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
+
+
+def _bit(k: int) -> int:
+    """Bit ``k`` of an int32 word, as a signed 32-bit value (bit 31 is negative)."""
+    return (1 << k) - (1 << 32) if k == 31 else 1 << k
 
 
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,8 @@ def accepts_valid_requests(ctx, response, case) -> bool | None:
     a prompt longer than the context in tokens, or text that tokenizes to nothing, or a
     structured-output constraint that does not compile (a regex, grammar or JSON Schema
     whose validity no OpenAPI schema can state), or tools that do not fit together (a
-    tool_choice naming no tool, a call's arguments that are not JSON)."""
+    tool_choice naming no tool, a call's arguments that are not JSON, a tool turn whose
+    tool_call_id no assistant call made)."""
     if case.meta is None or not case.meta.generation.mode.is_positive:
         return None
     if response.status_code == 400:
@@ -69,7 +70,7 @@ def accepts_valid_requests(ctx, response, case) -> bool | None:
         if error["param"] in ("prompt", "messages") and any(
                 s in error["message"] for s in ("tokens", "tokenizes to nothing")):
             return True
-        if error["param"].split(".")[0] in CONSTRAINT_FIELDS or "tool_calls" in error["param"]:
+        if error["param"].split(".")[0] in CONSTRAINT_FIELDS or "tool_call" in error["param"]:
             return True
     assert response.status_code < 400 or response.status_code == 429, \
         f"a schema-valid request was refused: {response.status_code} {response.text[:500]}"

@@ -291,3 +291,17 @@ def _sample(engine, prompt, constraint, trees, seed0: int, tokenizer) -> list[st
                              params=SamplingParams(1.0, seed=seed0 + i), constraint=constraint)
         texts.append(tokenizer.decode(r.token_ids[:-1]))
     return texts
+
+
+def test_odd_multibyte_choices_never_fail_the_batch(chat_engine, tokenizer):
+    """Found by the HTTP fuzzer: choices of astral and control characters at a huge
+    temperature made llguidance refuse a token its own mask allowed, which failed the
+    whole Step call (INTERNAL). Now such a sequence ends (EOS) and nothing else fails."""
+    choices = ("\x9d*\U0007a983", "\xc3\U000abf15\xf6\xcf", "\x05", "\x15/", "lS\xee\U00041760",
+               "\U000e7f36\xa3\U0002749e\xe0\xc0")
+    c = Constraint("choice", choices=choices)
+    for seed in range(12):
+        for draft in (None, DraftPlan(("model_free",), 8)):
+            [r] = generate_local(chat_engine, [prompts(tokenizer)[0]], 40, constraint=c,
+                                 params=SamplingParams(3e16, seed=seed), draft=draft)
+            assert r.token_ids[-1] in chat_engine.eos_token_ids

@@ -260,6 +260,14 @@ def test_a_tool_call_round_trip_and_auto(stack):
       "response_format": {"type": "json_object"}}, "tools"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": TOOLS, "messages": [*ASK, {"role": "tool", "tool_call_id": "call_x",
+                                          "content": "21"}]}, "messages[1].tool_call_id"),
+    ({"tools": TOOLS, "messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "[1]"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "wrong"}}}}}], "tool_choice": "required"},
+     "tools"),
 ])
 def test_bad_tool_requests_are_400_naming_the_field(stack, body, param):
     status, payload = http_post(stack["http"] + "/v1/chat/completions",

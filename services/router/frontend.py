@@ -89,22 +89,32 @@ class Frontend:
         if not template:
             raise InvalidArgument("messages", "this model has no chat template (a base "
                                   "model): send a prompt to /v1/completions instead")
-        turns = []
+        turns, call_ids = [], set()
         for i, m in enumerate(messages):
             if m.get("role") not in ("system", "user", "assistant", "tool"):
                 raise InvalidArgument(f"messages[{i}].role",
                                       "must be system, user, assistant or tool")
             turn = {"role": m["role"]}
-            if m["role"] == "assistant" and m.get("tool_calls"):
+            if m.get("tool_calls") is not None and m["role"] != "assistant":
+                raise InvalidArgument(f"messages[{i}].tool_calls",
+                                      "only assistant messages carry tool calls")
+            if m["role"] == "assistant" and m.get("tool_calls") is not None:
                 turn["tool_calls"] = assistant_tool_calls(f"messages[{i}].tool_calls",
                                                           m["tool_calls"])
+                call_ids |= {c.get("id") for c in m["tool_calls"]}
                 turn["content"] = "" if m.get("content") is None else \
                     message_text(f"messages[{i}].content", m["content"])
             else:
                 turn["content"] = message_text(f"messages[{i}].content", m.get("content"))
-            if m["role"] == "tool" and m.get("tool_call_id") is not None:
+            if m.get("tool_call_id") is not None:
+                if not isinstance(m["tool_call_id"], str):
+                    raise InvalidArgument(f"messages[{i}].tool_call_id", "must be a string")
                 turn["tool_call_id"] = check_unicode(f"messages[{i}].tool_call_id",
-                                                     str(m["tool_call_id"]))
+                                                     m["tool_call_id"])
+            if m["role"] == "tool" and turn.get("tool_call_id") not in call_ids:
+                raise InvalidArgument(f"messages[{i}].tool_call_id",
+                                      "must be the id of a tool call an assistant message "
+                                      "made before it")
             turns.append(turn)
         native = template_knows_tools(template)
         try:  # the template sees role and content (and tool calls) only

@@ -152,8 +152,9 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
     _flag(body, "stream")  # read by the HTTP layer: a bool or null, not any truthy value
     stream_usage(body)  # (likewise)
     tools = tools_from_body(body) if chat else None
-    if not chat and body.get("tools"):
-        raise InvalidArgument("tools", "only /v1/chat/completions calls tools")
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if not chat and body.get(name) is not None:
+            raise InvalidArgument(name, "only /v1/chat/completions calls tools")
     prompts = [_chat_ids(fe, body, tools)] if chat else _prompts_ids(fe, body)
     for k, ids in enumerate(prompts):
         fe.limits.check_prompt("messages" if chat else _prompt_field(prompts, k), len(ids))

@@ -246,6 +246,9 @@ def _request_schemas(model_name: str, vocab_size: int, max_context: int,
                               f"prompt * n + choice); at most {most} tokens a prompt (a "
                               "longer prompt is a 400 naming it)."},
             **common,
+            **{name: _refused({"not": {}}, "only null: tools are called on "
+                              "/v1/chat/completions.")
+               for name in ("tools", "tool_choice", "parallel_tool_calls")},
             "add_special_tokens": _nullable({"type": "boolean", "description": "vLLM's: "
                                              "text prompts get the tokenizer's special "
                                              "tokens (e.g. a BOS); default true."}),
@@ -262,6 +265,9 @@ def _request_schemas(model_name: str, vocab_size: int, max_context: int,
             **_tool_properties(),
             "messages": {"type": "array", "minItems": 1, "items": {
                 "type": "object", "required": ["role", "content"],
+                # a tool turn answers a call by its id; only assistants make calls
+                "if": {"properties": {"role": {"const": "tool"}}},
+                "then": {"required": ["tool_call_id"]},
                 "properties": {"role": {"enum": ["system", "user", "assistant", "tool"]},
                                "tool_call_id": {"type": "string"},
                                "tool_calls": {"type": "array", "items": {

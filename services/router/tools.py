@@ -184,12 +184,14 @@ def assistant_tool_calls(field: str, calls: object) -> list[dict]:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise InvalidArgument(f"{field}[{j}].function", "must name a function")
-        arguments = fn.get("arguments", "{}")
+        arguments = fn.get("arguments")
         try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            arguments = json.loads(arguments) if isinstance(arguments, str) else None
         except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
             raise InvalidArgument(f"{field}[{j}].function.arguments",
-                                  "must be a JSON string") from None
+                                  "must be a JSON object, as a string")
         out.append({"name": fn["name"], "arguments": arguments})
     return out
 
