@@ -139,8 +139,15 @@ def decoys(seed: int):
                                          49152, gen) for _ in histories]
 
 
-@pytest.mark.parametrize("constraint,fmt", CASES,
-                         ids=[f"{c.kind}-{c.key[:6]}-{f}" for c, f in CASES])
+# The unit tier (make test-fast) keeps one constraint of each kind; the rest are `slow`.
+FAST = {next(c for c in CONSTRAINTS if c.kind == kind).key for kind in
+        ("json_schema", "json_object", "regex", "choice", "grammar")}
+
+
+@pytest.mark.parametrize("constraint,fmt", [
+    pytest.param(c, f, id=f"{c.kind}-{c.key[:6]}-{f}",
+                 marks=() if f == "float32" and c.key in FAST else pytest.mark.slow)
+    for c, f in CASES])
 def test_constrained_greedy_is_the_same_with_every_kind_of_draft(engines, tokenizer,
                                                                  constraint, fmt):
     """In each format against its own plain constrained decoding (float32's plain decoding
