@@ -139,6 +139,25 @@ class Stats:
 
 
 @dataclass
+class ToolCall:
+    """A call the model made (requests with ``tools``): ``arguments`` is a JSON object as
+    text, valid against the function's parameters."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict:
+        """As an OpenAI ``tool_calls`` entry (for the assistant turn of a round trip)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _tool_calls(msg) -> list[ToolCall]:
+    return [ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls]
+
+
+@dataclass
 class Completion:
     text: str
     token_ids: list[int]
@@ -152,6 +171,9 @@ class Completion:
     # With logprobs=N: one specinfer.v1.TokenLogprob per token id (.logprob,
     # .top_token_ids, .top_logprobs), the LLM's raw log-softmax.
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    # With tools: the calls the answer made (finish_reason "tool_calls"); text is then
+    # what it said before them.
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
@@ -161,11 +183,13 @@ class Chunk:
     finish_reason: str = ""
     stats: Stats | None = None  # on the last chunk
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # whole, in one chunk
 
 
 def _chunk(msg) -> Chunk:
     return Chunk(msg.text, list(msg.token_ids), msg.finish_reason,
-                 Stats.of(msg.stats) if msg.finish_reason else None, list(msg.logprobs))
+                 Stats.of(msg.stats) if msg.finish_reason else None, list(msg.logprobs),
+                 _tool_calls(msg))
 
 
 def build_request(prompt: str | None = None, *, messages: list[dict] | None = None,
@@ -180,9 +204,16 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
                   ignore_eos: bool = False, min_tokens: int = 0,
                   json_schema: dict | str | None = None, json_object: bool = False,
                   regex: str | None = None, choice: list[str] | None = None,
-                  grammar: str | None = None) -> router_pb2.GenerateRequest:
-    """Structured output (at most one): ``json_schema`` (a JSON Schema, as a dict or its
-    JSON text), ``json_object`` (any JSON object), ``regex`` (the whole output matches),
+                  grammar: str | None = None, tools: list[dict] | None = None,
+                  tool_choice: str | dict | None = None,
+                  parallel_tool_calls: bool | None = None) -> router_pb2.GenerateRequest:
+    """``messages``: OpenAI chat messages (an assistant turn's ``tool_calls`` and a tool
+    turn's ``tool_call_id`` included). ``tools``: OpenAI's function tools (``{"type":
+    "function", "function": {"name", "description", "parameters"}}``); ``tool_choice``
+    "none", "auto", "required", a function's name or OpenAI's named choice; the calls come
+    back in ``Completion.tool_calls``. Structured output (at most one): ``json_schema``
+    (a JSON Schema, as a dict or its JSON text), ``json_object`` (any JSON object),
+    ``regex`` (the whole output matches),
     ``choice`` (exactly one of these strings), ``grammar`` (Lark, or GBNF with ``::=``).
     ``logprobs``: return each token's log-probability and this many alternatives.
     ``ignore_eos``: generate past the end-of-sequence token (fixed-length benchmarks).
@@ -210,13 +241,35 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
     constraint = _constraint(json_schema, json_object, regex, choice, grammar)
     if constraint is not None:
         req.constraint.CopyFrom(constraint)
+    for tool in tools or ():
+        fn = tool.get("function", tool)
+        parameters = fn.get("parameters")
+        req.tools.add(name=fn.get("name", ""), description=fn.get("description") or "",
+                      parameters="" if parameters is None else json.dumps(parameters))
+    if isinstance(tool_choice, dict):
+        req.tool_choice.function = tool_choice["function"]["name"]
+    elif tool_choice in ("none", "auto", "required"):
+        req.tool_choice.mode = tool_choice
+    elif tool_choice is not None:
+        req.tool_choice.function = tool_choice
+    if parallel_tool_calls is not None:
+        req.parallel_tool_calls = parallel_tool_calls
     if messages is not None:
-        req.chat.messages.extend(router_pb2.ChatMessage(**m) for m in messages)
+        req.chat.messages.extend(_chat_message(m) for m in messages)
     elif token_ids is not None:
         req.prompt_token_ids.ids.extend(token_ids)
     else:
         req.prompt = prompt or ""
     return req
+
+
+def _chat_message(m: dict) -> router_pb2.ChatMessage:
+    msg = router_pb2.ChatMessage(role=m["role"], content=m.get("content") or "",
+                                 tool_call_id=m.get("tool_call_id") or "")
+    for call in m.get("tool_calls") or ():
+        fn = call["function"]
+        msg.tool_calls.add(id=call.get("id", ""), name=fn["name"], arguments=fn["arguments"])
+    return msg
 
 
 def _constraint(json_schema, json_object, regex, choice, grammar) -> common_pb2.Constraint | None:
@@ -239,7 +292,7 @@ def _completion(resp: router_pb2.GenerateResponse) -> Completion:
     return Completion(resp.text, list(resp.token_ids), resp.finish_reason,
                       resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.stats.steps,
                       list(resp.stats.accepted_per_step), resp.dtype, Stats.of(resp.stats),
-                      list(resp.logprobs))
+                      list(resp.logprobs), _tool_calls(resp))
 
 
 class Client:

@@ -12,6 +12,8 @@ import pytest
 import torch
 from servers import Stack, service
 
+import specinfer  # noqa: F401  (first: it configures oneDNN before any test runs a kernel)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

@@ -238,6 +238,14 @@ def _sampling(draw) -> common_pb2.SamplingParams:
     return params
 
 
+# Constraints a valid request may carry (their mutations reach the compilers too).
+CONSTRAINTS = [common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=["yes", "no"])),
+               common_pb2.Constraint(regex="[a-c]{1,5}"),
+               common_pb2.Constraint(json_object=True),
+               common_pb2.Constraint(json_schema='{"type": "object", "properties": '
+                                     '{"x": {"type": "integer"}}, "required": ["x"]}')]
+
+
 @st.composite
 def valid_requests(draw, method: str, live: Live):
     """A request the service accepts (for the LIVE sequences as they are now)."""
@@ -252,6 +260,12 @@ def valid_requests(draw, method: str, live: Live):
             req.prompt_token_ids.ids.extend(tokens)
         else:
             req.chat.messages.add(role="user", content=draw(st.text(max_size=20)))
+        if draw(st.booleans()):
+            req.constraint.CopyFrom(draw(st.sampled_from(CONSTRAINTS)))
+        elif kind == "chat" and draw(st.booleans()):
+            req.tools.add(name="f", parameters='{"type": "object", "properties": '
+                          '{"x": {"type": "integer"}}}')
+            req.tool_choice.mode = draw(st.sampled_from(["auto", "required", "none"]))
         return req
     if method == "Speculate":
         return speculator_pb2.SpeculateRequest(items=[speculator_pb2.SpeculateItem(
@@ -266,8 +280,11 @@ def valid_requests(draw, method: str, live: Live):
                 tree=speculator_pb2.TreeConfig(expansion=[2, 1], max_nodes=8,
                                                dynamic=draw(st.booleans())))])
     if method == "Prefill":
-        return verifier_pb2.PrefillRequest(items=[verifier_pb2.PrefillItem(
-            sequence_id="fz-0", token_ids=tokens, sampling=_sampling(draw))])
+        item = verifier_pb2.PrefillItem(sequence_id="fz-0", token_ids=tokens,
+                                        sampling=_sampling(draw))
+        if draw(st.booleans()):
+            item.constraint.CopyFrom(draw(st.sampled_from(CONSTRAINTS)))
+        return verifier_pb2.PrefillRequest(items=[item])
     sid = draw(st.sampled_from(LIVE))
     root = live.roots.get(sid, 0)
     if method == "Step":  # a plain row, a sent tree, own drafts, or a tree and own drafts

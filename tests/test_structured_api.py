@@ -279,6 +279,64 @@ def test_bad_tool_requests_are_400_naming_the_field(stack, body, param):
     assert status == 400 and payload["error"]["param"] == "tools"
 
 
+def test_the_grpc_sdk_calls_tools_as_http_does(stack):
+    """The same tools over gRPC: the calls HTTP returns (ids aside), streamed in one message
+    with finish_reason tool_calls, a round trip, and bad tool requests INVALID_ARGUMENT
+    naming the proto's field."""
+    http = post(stack, "/v1/chat/completions", {
+        "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 120,
+        "temperature": 0})["choices"][0]["message"]
+    want = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in http["tool_calls"]]
+    with Client(stack["addr"]) as c:
+        out = c.generate(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120)
+        assert out.finish_reason == "tool_calls" and out.text == ""
+        assert [(t.name, json.loads(t.arguments)) for t in out.tool_calls] == want
+        assert all(t.id.startswith("call_") for t in out.tool_calls)
+        off = c.generate(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120,
+                         speculation=False)
+        assert [(t.name, t.arguments) for t in off.tool_calls] == \
+            [(t.name, t.arguments) for t in out.tool_calls]
+        chunks = list(c.stream(messages=ASK, tools=TOOLS, tool_choice="required",
+                               max_tokens=120))
+        assert [ch.finish_reason for ch in chunks if ch.finish_reason] == ["tool_calls"]
+        streamed = [t for ch in chunks for t in ch.tool_calls]
+        assert [(t.name, t.arguments) for t in streamed] == \
+            [(t.name, t.arguments) for t in out.tool_calls]
+        assert not "".join(ch.text for ch in chunks)
+        named = c.generate(messages=ASK, tools=TOOLS, tool_choice="add", max_tokens=120)
+        assert [t.name for t in named.tool_calls] and \
+            {t.name for t in named.tool_calls} == {"add"}
+        for t in named.tool_calls:
+            check_call(t.name, json.loads(t.arguments))
+        # The round trip: the call and the tool's answer go back into the conversation.
+        messages = [*ASK, {"role": "assistant", "content": None,
+                           "tool_calls": [out.tool_calls[0].to_openai()]},
+                    {"role": "tool", "tool_call_id": out.tool_calls[0].id, "content": "21"}]
+        answer = c.generate(messages=messages, tools=TOOLS, tool_choice="none",
+                            max_tokens=20)
+        assert answer.finish_reason in ("stop", "length") and not answer.tool_calls
+        assert answer.text == post(stack, "/v1/chat/completions", {
+            "messages": messages, "tools": TOOLS, "tool_choice": "none", "max_tokens": 20,
+            "temperature": 0})["choices"][0]["message"]["content"]
+        bad = [
+            (dict(messages=ASK, tools=TOOLS, tool_choice="nope"), "tool_choice.function"),
+            (dict(messages=ASK, tools=[{"name": "f", "parameters": "{"}]),
+             "tools[0].parameters"),
+            (dict(messages=ASK, tools=[{"name": "bad name!"}]), "tools[0].name"),
+            (dict(messages=ASK, tool_choice="required"), "tool_choice"),
+            (dict(messages=ASK, tools=TOOLS, json_object=True), "tools"),
+            (dict(prompt="x", tools=TOOLS), "tools"),
+            (dict(messages=[*ASK, {"role": "tool", "tool_call_id": "x", "content": "1"}],
+                  tools=TOOLS), "messages[1].tool_call_id"),
+        ]
+        for kwargs, field in bad:
+            with pytest.raises(InvalidRequestError) as err:
+                c.generate(max_tokens=8, **kwargs)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.message.startswith(field + ":"), (field, err.value.message)
+
+
 def test_a_chat_template_flag_replaces_the_models(stack, processes, tiny_chat_llm, tmp_path):
     """``--chat-template FILE``: the router renders with it; one that reads ``tools``
     renders them itself (no default tool prompt)."""

@@ -20,6 +20,7 @@ from services.router.tools import (
     assistant_tool_calls,
     render_messages,
     template_knows_tools,
+    tools_from_proto,
 )
 from specinfer.chat import chat_ids
 from specinfer.constraints import Constraint, InvalidConstraint
@@ -218,6 +219,19 @@ class Frontend:
         while len(self._checked) > 1024:
             self._checked.pop(next(iter(self._checked)))
 
+    def with_tools(self, tools: Tools | None, constraint: Constraint | None
+                   ) -> Constraint | None:
+        """A request's one constraint: its own (a response format), or the grammar of
+        calls its ``tools`` make (unless ``tool_choice`` is none)."""
+        if tools is None or tools.choice == "none":
+            return constraint
+        if constraint is not None:
+            raise InvalidArgument("tools", "a request takes one constraint: tools, or a "
+                                  "response format")
+        constraint = tools.constraint()
+        self.check_constraint(constraint, "tools")
+        return constraint
+
     def check_model(self, model: object) -> None:
         """A request's model: unset (None) or the one served."""
         if model is not None and model != self.model_name:
@@ -234,12 +248,21 @@ def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequ
         ids = list(msg.prompt_token_ids.ids)
         fe.check_ids("prompt_token_ids", ids)
     elif kind == "chat":
-        ids = fe.encode_chat([{"role": m.role, "content": m.content}
-                              for m in msg.chat.messages])
+        tools = tools_from_proto(msg)
+        ids = fe.encode_chat([_message(m) for m in msg.chat.messages], tools)
     else:
         raise InvalidArgument("input", "give prompt, prompt_token_ids or chat")
     if not ids:
         raise InvalidArgument("prompt", "tokenizes to nothing")
+    if kind != "chat":
+        tools = None
+        given = [name for name, present in (("tools", bool(msg.tools)),
+                                            ("tool_choice", msg.HasField("tool_choice")),
+                                            ("parallel_tool_calls",
+                                             msg.HasField("parallel_tool_calls")))
+                 if present]
+        if given:
+            raise InvalidArgument(given[0], "only chat input calls tools")
     fe.limits.check_prompt(kind, len(ids))
     fe.check_model(msg.model or None)  # proto3: "" is unset
     if not 0 < msg.max_tokens <= MAX_TOKENS_LIMIT:
@@ -252,6 +275,7 @@ def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequ
     fe.check_ids("stop_token_ids", list(msg.stop_token_ids))
     constraint = constraint_from_proto(msg.constraint, "constraint")
     fe.check_constraint(constraint, "constraint")
+    constraint = fe.with_tools(tools, constraint)
     ignore_eos = msg.ignore_eos and constraint is None  # a constraint ends at its EOS
     params = fe.with_min_tokens(params, params.min_tokens, set(msg.stop_token_ids),
                                 ignore_eos, "sampling.min_tokens")
@@ -260,7 +284,19 @@ def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequ
                       stop=[s for s in msg.stop if s], stop_ids=set(msg.stop_token_ids),
                       session_id=msg.session_id, ignore_eos=ignore_eos,
                       operation="chat" if kind == "chat" else "text_completion",
-                      constraint=constraint)
+                      constraint=constraint, tools=tools)
+
+
+def _message(m: router_pb2.ChatMessage) -> dict:
+    """A gRPC chat message as an OpenAI one (what ``Frontend.encode_chat`` takes)."""
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
 
 
 class Generation:

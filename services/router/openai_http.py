@@ -28,16 +28,11 @@ from services.router.openai_request import openai_requests, stream_usage
 from services.router.openapi import openapi_document, openapi_handler
 from services.router.request import GenRequest
 from services.router.scheduler import Scheduler
-from services.router.tools import may_open_a_call, parse_calls
+from services.router.tools import CallStream, calls_finish, parse_calls
 from specinfer import metrics, tracing
 from specinfer.errors import InvalidArgument, ServiceError
 
 log = logging.getLogger(__name__)
-
-
-def _calls_finish(reason: str) -> str:
-    """An answer with tool calls ends with finish_reason tool_calls (unless cut short)."""
-    return "tool_calls" if reason == "stop" else reason
 
 
 def _error(status: int, message: str, param: str | None = None,
@@ -150,7 +145,7 @@ class OpenAIApi:
                 choice["message"] = {"role": "assistant", "content": content}
                 if calls:
                     choice["message"]["tool_calls"] = calls
-                    choice["finish_reason"] = _calls_finish(gen.req.finish_reason)
+                    choice["finish_reason"] = calls_finish(gen.req.finish_reason)
             elif chat:
                 choice["message"] = {"role": "assistant", "content": gen.sent_text}
             else:
@@ -203,24 +198,16 @@ class OpenAIApi:
             # A token whose text is held back (an incomplete UTF-8 sequence) has its
             # logprob sent with the next text.
             sent = received = 0
-            # With tools, text that may be the start of a call is held back until it is
-            # known not to be one; a call is sent whole, as tool_calls, at the end.
-            tools = gen.req.tools if chat else None
-            deciding, held = tools is not None and tools.calls, ""
+            calls = CallStream(gen.req.tools if chat else None)
             finish = None
             try:
                 async for new, delta, _ in gen.deltas():
                     received += len(new)
-                    if deciding:
-                        held += delta
-                        if may_open_a_call(held) and not gen.req.finish_reason:
-                            continue
-                        deciding, delta, held = False, held, ""
-                        content, calls = parse_calls(delta)
-                        if calls:
-                            await queue.put((i, (content, calls), None, (sent, received)))
-                            sent, delta = received, ""
-                            finish = _calls_finish(gen.req.finish_reason)
+                    delta, made = calls.push(delta, bool(gen.req.finish_reason))
+                    if made:
+                        await queue.put((i, (delta or None, made), None, (sent, received)))
+                        sent, delta = received, ""
+                        finish = calls_finish(gen.req.finish_reason)
                     if delta:
                         await queue.put((i, delta, None, (sent, received)))
                         sent = received

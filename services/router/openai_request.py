@@ -166,13 +166,7 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
     fe.check_ids("logit_bias", [t for t, _ in params.logit_bias])
     stop_ids = _stop_token_ids(body)
     fe.check_ids("stop_token_ids", sorted(stop_ids))
-    constraint = structured_output(body, fe)
-    if tools is not None and tools.choice != "none":
-        if constraint is not None:
-            raise InvalidArgument("tools", "a request takes one constraint: tools, or a "
-                                  "response format")
-        constraint = tools.constraint()
-        fe.check_constraint(constraint, "tools")
+    constraint = fe.with_tools(tools, structured_output(body, fe))
     ignore_eos = bool(_flag(body, "ignore_eos")) and constraint is None  # ends at its EOS
     params = fe.with_min_tokens(params, _number(body, "min_tokens", 0, int), stop_ids,
                                 ignore_eos, "min_tokens")

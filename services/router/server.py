@@ -15,6 +15,7 @@ from services.router.frontend import Frontend, Generation, request_from_proto
 from services.router.limits import KeyStreams
 from services.router.request import GenRequest
 from services.router.scheduler import Scheduler
+from services.router.tools import CallStream, calls_finish
 from specinfer.errors import ServiceError, Unavailable
 from specinfer.grpc_server import abort_on_error
 from specinfer.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -42,16 +43,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         """The unary form of GenerateStream: the same run, collected."""
-        text, ids, logprobs, last = [], [], [], None
+        text, ids, logprobs, calls, last = [], [], [], [], None
         async for msg in self.GenerateStream(request, context):
             text.append(msg.text)
             ids += msg.token_ids
             logprobs += msg.logprobs
+            calls += msg.tool_calls
             last = msg
         return router_pb2.GenerateResponse(text="".join(text), token_ids=ids,
                                            finish_reason=last.finish_reason, usage=last.usage,
                                            stats=last.stats, dtype=last.dtype,
-                                           logprobs=logprobs)
+                                           logprobs=logprobs, tool_calls=calls)
 
     async def GenerateStream(self, request, context):
         gen = None
@@ -59,13 +61,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             key = self.keys.check(dict(context.invocation_metadata() or ()).get("authorization"))
             with self.streams.hold(key):
                 gen = self._start(request, context)
+                calls, finish = CallStream(gen.req.tools), ""
                 async for new, delta, logprobs in gen.deltas():
-                    if new or delta:
+                    delta, made = calls.push(delta, bool(gen.req.finish_reason))
+                    if made:
+                        finish = calls_finish(gen.req.finish_reason)
+                    if new or delta or made:
                         yield router_pb2.GenerateStreamResponse(
                             text=delta, token_ids=new,
-                            logprobs=[logprob_to_proto(lp) for lp in logprobs])
+                            logprobs=[logprob_to_proto(lp) for lp in logprobs],
+                            tool_calls=[_tool_call(c) for c in made])
                 yield router_pb2.GenerateStreamResponse(
-                    finish_reason=gen.req.finish_reason, usage=_usage(gen.req),
+                    finish_reason=finish or gen.req.finish_reason, usage=_usage(gen.req),
                     stats=_stats(gen.req), dtype=self.fe.dtype)
         except asyncio.CancelledError:  # the client went away: free the sequence
             if gen:
@@ -81,6 +88,11 @@ async def _abort(context, exc: Exception) -> None:
     if isinstance(exc, grpc.aio.AioRpcError):
         await context.abort(exc.code(), exc.details() or "")
     await abort_on_error(context, exc)
+
+
+def _tool_call(call: dict) -> router_pb2.ToolCall:
+    return router_pb2.ToolCall(id=call["id"], name=call["function"]["name"],
+                               arguments=call["function"]["arguments"])
 
 
 def _usage(req: GenRequest) -> common_pb2.Usage:

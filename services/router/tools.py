@@ -81,54 +81,79 @@ def tools_from_body(body: dict) -> Tools | None:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidArgument("parallel_tool_calls", "must be a boolean")
-    if not tools:
-        if tools is not None and not isinstance(tools, list):
-            raise InvalidArgument("tools", "must be a list of tools")
-        if choice not in (None, "none", "auto"):
-            raise InvalidArgument("tool_choice", "needs tools")
-        return None
-    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise InvalidArgument("tools", f"must be a list of at most {MAX_TOOLS} tools")
-    functions = tuple(_function(f"tools[{i}]", t) for i, t in enumerate(tools))
-    names = [f["name"] for f in functions]
-    if len(set(names)) != len(names):
-        raise InvalidArgument("tools", "function names must be unique")
+    if tools is not None and not isinstance(tools, list):
+        raise InvalidArgument("tools", "must be a list of tools")
+    functions = []
+    for i, tool in enumerate(tools or ()):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type") != "function":
+            raise InvalidArgument(f"tools[{i}]", 'must be {"type": "function", '
+                                  '"function": {...}}')
+        functions.append(function(f"tools[{i}].function", fn.get("name"),
+                                  fn.get("description"), fn.get("parameters")))
     name = ""
-    if choice is None:
-        choice = "auto"
-    elif isinstance(choice, dict):
+    if isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict) \
                 or not isinstance(fn.get("name"), str):
             raise InvalidArgument("tool_choice", 'a named choice is {"type": "function", '
                                   '"function": {"name": ...}}')
-        if fn["name"] not in names:
-            raise InvalidArgument("tool_choice.function.name",
-                                  f"{fn['name']!r} is not one of the tools")
         choice, name = "function", fn["name"]
-    elif choice not in ("none", "auto", "required"):
+    return make_tools(functions, choice, name, parallel, "tool_choice.function.name")
+
+
+def tools_from_proto(msg) -> Tools | None:
+    """A gRPC ``GenerateRequest``'s tools, validated as ``tools_from_body`` does (errors
+    name the proto's fields)."""
+    functions = []
+    for i, tool in enumerate(msg.tools):
+        try:
+            parameters = json.loads(tool.parameters) if tool.parameters else None
+        except ValueError as exc:
+            raise InvalidArgument(f"tools[{i}].parameters",
+                                  f"must be JSON text: {exc}") from None
+        functions.append(function(f"tools[{i}]", tool.name, tool.description or None,
+                                  parameters))
+    kind = msg.tool_choice.WhichOneof("choice")
+    choice = None if kind is None else \
+        ("function" if kind == "function" else msg.tool_choice.mode)
+    name = msg.tool_choice.function if kind == "function" else ""
+    parallel = msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else None
+    return make_tools(functions, choice, name, parallel, "tool_choice.function")
+
+
+def make_tools(functions: list[dict], choice: str | None, name: str,
+               parallel: bool | None, name_field: str) -> Tools | None:
+    """Validated ``Tools`` (None without functions); ``choice`` None means auto,
+    "function" names ``name`` (an error about it names ``name_field``)."""
+    if not functions:
+        if choice not in (None, "none", "auto"):
+            raise InvalidArgument("tool_choice", "needs tools")
+        return None
+    if len(functions) > MAX_TOOLS:
+        raise InvalidArgument("tools", f"must be a list of at most {MAX_TOOLS} tools")
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise InvalidArgument("tools", "function names must be unique")
+    if choice == "function" and name not in names:
+        raise InvalidArgument(name_field, f"{name!r} is not one of the tools")
+    if choice not in (None, "function", "none", "auto", "required"):
         raise InvalidArgument("tool_choice", 'must be "none", "auto", "required" or a named '
                               "function")
-    return Tools(functions, choice, name, True if parallel is None else parallel)
+    return Tools(tuple(functions), choice or "auto", name,
+                 True if parallel is None else parallel)
 
 
-def _function(field: str, tool: object) -> dict:
-    if not isinstance(tool, dict) or tool.get("type") != "function" \
-            or not isinstance(tool.get("function"), dict):
-        raise InvalidArgument(field, 'must be {"type": "function", "function": {...}}')
-    fn = tool["function"]
-    name = fn.get("name")
+def function(field: str, name: object, description: object, parameters: object) -> dict:
+    """One offered function, validated (``field``: where it sits in the request)."""
     if not isinstance(name, str) or not _NAME.match(name):
-        raise InvalidArgument(f"{field}.function.name",
-                              "must be 1-64 letters, digits, '_', '.' or '-'")
-    description = fn.get("description")
+        raise InvalidArgument(f"{field}.name", "must be 1-64 letters, digits, '_', '.' or '-'")
     if description is not None and not isinstance(description, str):
-        raise InvalidArgument(f"{field}.function.description", "must be a string")
-    parameters = fn.get("parameters")
+        raise InvalidArgument(f"{field}.description", "must be a string")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
-        raise InvalidArgument(f"{field}.function.parameters", "must be a JSON Schema object")
+        raise InvalidArgument(f"{field}.parameters", "must be a JSON Schema object")
     out = {"name": name, "parameters": parameters}
     if description:
         out["description"] = description
@@ -223,3 +248,29 @@ def may_open_a_call(text: str) -> bool:
     """Whether a streamed answer's text so far may still become a call (held back)."""
     stripped = text.lstrip()
     return OPEN.startswith(stripped) or stripped.startswith(OPEN)
+
+
+def calls_finish(reason: str) -> str:
+    """An answer with tool calls ends with finish_reason tool_calls (unless cut short)."""
+    return "tool_calls" if reason == "stop" else reason
+
+
+class CallStream:
+    """A streamed answer's text split into what can be sent now and its calls: with tools
+    that may be called, text that may be the start of a call is held back until it is
+    known not to be one; an answer that is calls yields them once, whole, at its end."""
+
+    def __init__(self, tools: Tools | None) -> None:
+        self.deciding, self.held = tools is not None and tools.calls, ""
+
+    def push(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
+        """The text to send now and the calls (with the content before them in the
+        text), given the answer's next ``delta`` and whether the answer has ended."""
+        if not self.deciding:
+            return delta, []
+        self.held += delta
+        if may_open_a_call(self.held) and not finished:
+            return "", []
+        text, self.deciding, self.held = self.held, False, ""
+        content, calls = parse_calls(text)
+        return (content or "", calls) if calls else (text, [])

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specinfer.v1 import common_pb2 as specinfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specinfer/v1/router.proto\x12\x0cspecinfer.v1\x1a\x19specinfer/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specinfer.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x85\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x16.specinfer.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1a.specinfer.v1.ChatMessagesH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12.\n\x08sampling\x18\x07 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x18\n\x0bspeculation\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\nsession_id\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12,\n\nconstraint\x18\x0c \x01(\x0b\x32\x18.specinfer.v1.ConstraintB\x07\n\x05inputB\x0e\n\x0c_speculation\"\xda\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specinfer.v1.Usage\x12-\n\x05stats\x18\x05 \x01(\x0b\x32\x1e.specinfer.v1.SpeculationStats\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\"\xe0\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specinfer.v1.Usage\x12-\n\x05stats\x18\x05 \x01(\x0b\x32\x1e.specinfer.v1.SpeculationStats\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob2\xac\x01\n\x06Router\x12I\n\x08Generate\x12\x1d.specinfer.v1.GenerateRequest\x1a\x1e.specinfer.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.specinfer.v1.GenerateRequest\x1a$.specinfer.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specinfer/v1/router.proto\x12\x0cspecinfer.v1\x1a\x19specinfer/v1/common.proto\"n\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.specinfer.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specinfer.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x91\x04\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x16.specinfer.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1a.specinfer.v1.ChatMessagesH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12.\n\x08sampling\x18\x07 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x18\n\x0bspeculation\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\nsession_id\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12,\n\nconstraint\x18\x0c \x01(\x0b\x32\x18.specinfer.v1.Constraint\x12!\n\x05tools\x18\r \x03(\x0b\x32\x12.specinfer.v1.Tool\x12-\n\x0btool_choice\x18\x0e \x01(\x0b\x32\x18.specinfer.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0f \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x0e\n\x0c_speculationB\x16\n\x14_parallel_tool_calls\"\x86\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specinfer.v1.Usage\x12-\n\x05stats\x18\x05 \x01(\x0b\x32\x1e.specinfer.v1.SpeculationStats\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\x12*\n\ntool_calls\x18\x08 \x03(\x0b\x32\x16.specinfer.v1.ToolCall\"\x8c\x02\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specinfer.v1.Usage\x12-\n\x05stats\x18\x05 \x01(\x0b\x32\x1e.specinfer.v1.SpeculationStats\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\x12*\n\ntool_calls\x18\x08 \x03(\x0b\x32\x16.specinfer.v1.ToolCall2\xac\x01\n\x06Router\x12I\n\x08Generate\x12\x1d.specinfer.v1.GenerateRequest\x1a\x1e.specinfer.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.specinfer.v1.GenerateRequest\x1a$.specinfer.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specinfer.v1.router_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=70
-  _globals['_CHATMESSAGE']._serialized_end=114
-  _globals['_CHATMESSAGES']._serialized_start=116
-  _globals['_CHATMESSAGES']._serialized_end=175
-  _globals['_TOKENIDS']._serialized_start=177
-  _globals['_TOKENIDS']._serialized_end=200
-  _globals['_GENERATEREQUEST']._serialized_start=203
-  _globals['_GENERATEREQUEST']._serialized_end=592
-  _globals['_GENERATERESPONSE']._serialized_start=595
-  _globals['_GENERATERESPONSE']._serialized_end=813
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=816
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1040
-  _globals['_ROUTER']._serialized_start=1043
-  _globals['_ROUTER']._serialized_end=1215
+  _globals['_CHATMESSAGE']._serialized_end=180
+  _globals['_TOOL']._serialized_start=182
+  _globals['_TOOL']._serialized_end=243
+  _globals['_TOOLCHOICE']._serialized_start=245
+  _globals['_TOOLCHOICE']._serialized_end=303
+  _globals['_TOOLCALL']._serialized_start=305
+  _globals['_TOOLCALL']._serialized_end=360
+  _globals['_CHATMESSAGES']._serialized_start=362
+  _globals['_CHATMESSAGES']._serialized_end=421
+  _globals['_TOKENIDS']._serialized_start=423
+  _globals['_TOKENIDS']._serialized_end=446
+  _globals['_GENERATEREQUEST']._serialized_start=449
+  _globals['_GENERATEREQUEST']._serialized_end=978
+  _globals['_GENERATERESPONSE']._serialized_start=981
+  _globals['_GENERATERESPONSE']._serialized_end=1243
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1246
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1514
+  _globals['_ROUTER']._serialized_start=1517
+  _globals['_ROUTER']._serialized_end=1689
 # @@protoc_insertion_point(module_scope)
