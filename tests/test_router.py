@@ -244,18 +244,9 @@ def test_adaptive_speculation_drafts_in_the_verifier_without_a_speculator(stack,
 
 
 @pytest.fixture(scope="module")
-def head_verifier(processes, tiny_chat_llm, tmp_path_factory) -> str:
+def head_verifier(processes, tiny_chat_llm, tiny_chat_head) -> str:
     """A verifier with a draft head (random, over the LLM's first 4096 tokens)."""
-    import torch
-
-    from specinfer.drafting.head import DraftHead
-    from specinfer.models import load_model
-    from specinfer.training.head import save_head
-
-    head = tmp_path_factory.mktemp("head") / "head"
-    save_head(DraftHead(load_model(tiny_chat_llm), torch.arange(0, 4096)), head,
-              tiny_chat_llm, {})
-    return processes.start("verifier", "--llm", tiny_chat_llm, "--draft-head", str(head),
+    return processes.start("verifier", "--llm", tiny_chat_llm, "--draft-head", tiny_chat_head,
                            "--slots", "4", "--max-context", "512", "--threads", "1").wait().addr
 
 

@@ -29,6 +29,17 @@ from specinfer.sampling import SamplingParams
 
 N = 1000
 N_OTHER_FORMATS = 600  # bfloat16 and int8: the same test, fewer samples (time)
+BATCH = 8  # sequences sampled together, a seed each (a step for 8 costs about one for 1)
+
+
+def sample(engine, prompt: list[int], n: int, params: SamplingParams, **kwargs) -> list:
+    """``n`` independent samples of 3 tokens after ``prompt`` (seeds 0..n-1, ``BATCH`` at a
+    time): ``generate_local``'s results; ``kwargs`` go to it (trees, draft)."""
+    out = []
+    for start in range(0, n, BATCH):
+        seeded = [dataclasses.replace(params, seed=i) for i in range(start, min(n, start + BATCH))]
+        out += generate_local(engine, [prompt] * len(seeded), 3, params=seeded, **kwargs)
+    return out
 
 
 def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
@@ -55,10 +66,10 @@ def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
 def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params, dtype):
     """In every number format: MSS is exact for whatever distribution the LLM computes."""
     placement = resolve("cpu", quantize="int8") if dtype == "int8" else resolve("cpu", dtype)
-    engine = build_engine(tiny_llama, EngineConfig(max_context=64, slots=4),
+    engine = build_engine(tiny_llama, EngineConfig(max_context=64, slots=BATCH),
                           placement=placement)
     model, _ = load_ssm(f"{tiny_llama}#layers=2")
-    spec = SpeculatorEngine([SSMDrafter(model, 0, slots=4, max_context=64)], 128,
+    spec = SpeculatorEngine([SSMDrafter(model, 0, slots=BATCH, max_context=64)], 128,
                             expansion=[2, 2, 1], max_nodes=16)
     prompt = [5, 17, 33, 2, 90]
     counter = iter(range(10**9))
@@ -68,15 +79,11 @@ def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params, d
                                for h in histories])
 
     torch.manual_seed(0)
-    on, off = [], []
-    accepted = 0
     n = N if dtype == "float32" else N_OTHER_FORMATS
-    for i in range(n):
-        seeded = dataclasses.replace(params, seed=i)
-        res = generate_local(engine, [prompt], 3, trees=trees, params=seeded)[0]
-        on.append(res.token_ids)
-        accepted += res.steps
-        off.append(generate_local(engine, [prompt], 3, params=seeded)[0].token_ids)
+    spec_results = sample(engine, prompt, n, params, trees=trees)
+    on = [r.token_ids for r in spec_results]
+    off = [r.token_ids for r in sample(engine, prompt, n, params)]
+    accepted = sum(r.steps for r in spec_results)
     for pos in (1, 2):
         p = homogeneity_pvalue([s[pos] for s in on], [s[pos] for s in off])
         assert p > 1e-3, f"token {pos + 1}: p = {p:.2e}"
@@ -99,13 +106,13 @@ def test_the_verifiers_head_drafts_keep_the_distribution(tiny_llama, tmp_path, m
 
     save_head(DraftHead(load_model(tiny_llama), torch.arange(0, 128)), tmp_path / "head",
               tiny_llama, {})
-    engine = build_engine(tiny_llama, EngineConfig(max_context=64, slots=4,
+    engine = build_engine(tiny_llama, EngineConfig(max_context=64, slots=BATCH,
                                                    head_expansion=(2, 1, 1)),
                           head=str(tmp_path / "head"))
     trees = None
     if merged:
         model, _ = load_ssm(f"{tiny_llama}#layers=2")
-        spec = SpeculatorEngine([SSMDrafter(model, 0, slots=4, max_context=64)], 128,
+        spec = SpeculatorEngine([SSMDrafter(model, 0, slots=BATCH, max_context=64)], 128,
                                 max_nodes=16)
         counter = iter(range(10**9))
 
@@ -114,14 +121,12 @@ def test_the_verifiers_head_drafts_keep_the_distribution(tiny_llama, tmp_path, m
                                                  list(MERGED.expansion), 4, ssm_only=True)
                                    for h in histories])
     prompt = [5, 17, 33, 2, 90, 5, 17]
-    on, off, steps = [], [], 0
-    for i in range(N):
-        params = SamplingParams(0.8, seed=i)
-        res = generate_local(engine, [prompt], 3, trees=trees, params=params,
-                             draft=DraftPlan(("head", "model_free"), 8))
-        on.append(res[0].token_ids)
-        steps += res[0].steps
-        off.append(generate_local(engine, [prompt], 3, params=params)[0].token_ids)
+    params = SamplingParams(0.8)
+    spec_results = sample(engine, prompt, N, params, trees=trees,
+                          draft=DraftPlan(("head", "model_free"), 8))
+    on = [r.token_ids for r in spec_results]
+    off = [r.token_ids for r in sample(engine, prompt, N, params)]
+    steps = sum(r.steps for r in spec_results)
     for pos in (1, 2):
         p = homogeneity_pvalue([s[pos] for s in on], [s[pos] for s in off])
         assert p > 1e-3, f"token {pos + 1}: p = {p:.2e}"

@@ -292,11 +292,11 @@ def test_constrained_sampling_keeps_its_distribution_under_speculation(chat_engi
 
 
 def _sample(engine, prompt, constraint, trees, seed0: int, tokenizer) -> list[str]:
-    texts = []
-    for i in range(N):  # one sequence a call: each its own seed
-        [r] = generate_local(engine, [prompt], 8, trees=trees,
-                             params=SamplingParams(1.0, seed=seed0 + i), constraint=constraint)
-        texts.append(tokenizer.decode(r.token_ids[:-1]))
+    texts, batch = [], ENGINE.slots  # a seed each, a batch at a time
+    for start in range(0, N, batch):
+        params = [SamplingParams(1.0, seed=seed0 + i) for i in range(start, start + batch)]
+        texts += [tokenizer.decode(r.token_ids[:-1]) for r in generate_local(
+            engine, [prompt] * batch, 8, trees=trees, params=params, constraint=constraint)]
     return texts
 
 

@@ -279,6 +279,57 @@ def test_bad_tool_requests_are_400_naming_the_field(stack, body, param):
     assert status == 400 and payload["error"]["param"] == "tools"
 
 
+@pytest.fixture(scope="module")
+def drafters(processes, tiny_chat_llm, tiny_chat_head):
+    """A verifier with a draft head and a speculator with an SSM (a one-layer cut of the
+    LLM): what the head, SSM-tree and merged modes draft with."""
+    common = ("--llm", tiny_chat_llm, "--max-context", "512", "--threads", "1",
+              "--datastore", "none")
+    return (processes.start("verifier", *common, "--draft-head", tiny_chat_head,
+                            "--slots", "8"),
+            processes.start("speculator", *common, "--ssm", f"{tiny_chat_llm}#layers=1"))
+
+
+# One constraint of each kind (the matrix, SPECINFER_STRUCTURED_MATRIX=1: every kind).
+MODE_CASES = [dict(json_schema=SCHEMA), dict(regex="(yes|no|maybe), [a-z]{2,8}[.!]"),
+              dict(choice=["the north", "the south", "the north-east"]),
+              dict(grammar='start: "(" NUM " " OP " " NUM ")"\nNUM: /[0-9]{1,3}/\n'
+                           'OP: "+" | "-" | "*"'),
+              dict(json_object=True)]
+
+
+@pytest.mark.parametrize("mode", ["head", "always", "merged"])
+def test_every_drafter_mode_keeps_constrained_output(processes, tiny_chat_llm, drafters,
+                                                     mode):
+    """The draft head's trees ("head"), the speculator's SSM trees ("always") and both
+    merged: each constrained answer identical to speculation off's and valid, and the
+    drafts really used (steps accepting several tokens). Model-free drafts: ``stack``."""
+    verifier, speculator = drafters
+    router = processes.router(tiny_chat_llm, [verifier], "--speculation", mode,
+                              speculators=() if mode == "head" else (speculator,))
+    accepted = []
+    with Client(router.addr) as c:
+        for case in MODE_CASES:
+            messages = [{"role": "user", "content": "Answer as asked: where?"}]
+            on = c.generate(messages=messages, max_tokens=60, **case)
+            off = c.generate(messages=messages, max_tokens=60, speculation=False, **case)
+            assert on.token_ids == off.token_ids, (mode, case)
+            assert on.stats.speculative_steps > 0, (mode, case)
+            accepted += on.accepted_per_step
+            if on.finish_reason == "stop":
+                if "json_schema" in case:
+                    jsonschema.validate(json.loads(on.text), SCHEMA)
+                elif "json_object" in case:
+                    assert isinstance(json.loads(on.text), dict)
+                elif "regex" in case:
+                    assert re.fullmatch(case["regex"], on.text), on.text
+                elif "choice" in case:
+                    assert on.text in case["choice"]
+                else:
+                    assert re.fullmatch(r"\([0-9]{1,3} [-+*] [0-9]{1,3}\)", on.text)
+    assert max(accepted) > 1 and sum(accepted) > len(accepted), (mode, accepted)
+
+
 def test_the_grpc_sdk_calls_tools_as_http_does(stack):
     """The same tools over gRPC: the calls HTTP returns (ids aside), streamed in one message
     with finish_reason tool_calls, a round trip, and bad tool requests INVALID_ARGUMENT

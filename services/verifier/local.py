@@ -42,7 +42,7 @@ def generate_local(
     prompts: Sequence[list[int]],
     max_new_tokens: int,
     trees: TreeSource | None = None,
-    params: SamplingParams | None = None,
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     draft: DraftPlan | None = None,
     constraint: Constraint | None = None,
@@ -50,8 +50,10 @@ def generate_local(
     """Decode a batch to ``max_new_tokens`` each (or a stop token, which is kept), one
     ``Step`` per iteration. ``draft`` has the verifier draft each step's trees itself with
     its own sources, merged with ``trees``' when given. ``constraint``: structured output
-    (every sequence's), which ends at the end-of-sequence token it allows."""
+    (every sequence's), which ends at the end-of-sequence token it allows. ``params``: one
+    for every sequence, or one each (e.g. a seed each: independent samples in one batch)."""
     params = params or SamplingParams()
+    each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     draft = draft or DraftPlan()
     ends = Stops(max_new_tokens, frozenset(engine.eos_token_ids if stop_token_ids is None
                                            else stop_token_ids))
@@ -59,8 +61,8 @@ def generate_local(
     ids = [f"local-{next(_ids)}" for _ in prompts]
     if constraint is not None:
         ends = Stops(max_new_tokens, ends.token_ids | frozenset(engine.eos_token_ids))
-    first = engine.prefill([PrefillSpec(sid, list(p), params, constraint=constraint)
-                            for sid, p in zip(ids, prompts, strict=True)])
+    first = engine.prefill([PrefillSpec(sid, list(p), q, constraint=constraint)
+                            for sid, p, q in zip(ids, prompts, each, strict=True)])
     ttft = time.perf_counter() - start
     history = {sid: list(p) + [f.token] for sid, p, f in zip(ids, prompts, first, strict=True)}
     results = {sid: LocalResult([f.token], ttft_s=ttft, logprobs=f.logprobs)
