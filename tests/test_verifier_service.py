@@ -157,9 +157,18 @@ def test_bad_requests_get_precise_codes_and_the_service_keeps_serving(verifier):
 
 
 def test_sigterm_stops_cleanly(tiny_llama):
-    with service("verifier", "--llm", tiny_llama) as (_, proc):
+    """Also with a live sequence that no router steps any more (its router is gone): the
+    drain ends once nothing has stepped it for 3 s, not at --drain-timeout."""
+    import time
+
+    with service("verifier", "--llm", tiny_llama, "--drain-timeout", "120",
+                 "--sequence-lease", "0") as (addr, proc):
+        with grpc.insecure_channel(addr) as channel:
+            prefill(verifier_pb2_grpc.VerifierStub(channel), "orphan", [1, 2, 3])
+        start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - start < 30
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

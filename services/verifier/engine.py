@@ -111,6 +111,7 @@ class VerifierEngine:
         self.model_name = model_name
         self.eos_token_ids = eos_token_ids or []
         self.sequences: dict[str, SequenceState] = {}
+        self.last_touched = time.monotonic()  # the last Prefill or Step (read from any thread)
         self.sessions: OrderedDict[str, SessionEntry] = OrderedDict()  # LRU order
         self.free_slots = list(range(config.slots))[::-1]
 
@@ -236,6 +237,7 @@ class VerifierEngine:
             spec.sequence_id, slot, list(prompt) + [token], spec.params, gen, spec.session_id,
             prompt_length, features=features, grammar=grammar,
         )
+        self.last_touched = self.sequences[spec.sequence_id].touched
         return PrefillOut(spec.sequence_id, token, reuse,
                           self._logprobs(logits[0], [-1], [token], spec.params))
 
@@ -282,6 +284,7 @@ class VerifierEngine:
         now = time.monotonic()
         for seq in seqs:
             seq.touched = now
+        self.last_touched = now
         batch = TreeBatch.build(trees, [s.root for s in seqs], [s.cached for s in seqs])
         q = batch.tokens.shape[1]
         key_len = int(batch.prefix_lens.max()) + q

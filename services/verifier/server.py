@@ -189,6 +189,12 @@ def _first_logprob(logprobs: list) -> object:
     return logprob_to_proto(logprobs[0]) if logprobs else None
 
 
+# A drain ends early once no Step has come for this long: the live sequences' routers are
+# gone (killed, or stopped with the stack), and nobody would finish or move them. A router
+# steps its running sequences every iteration (well under a second here).
+DRAIN_IDLE_S = 3.0
+
+
 async def serve(build, host: str, port: int, grace_s: float = 10.0,
                 sweep_every_s: float = 1.0, metrics: VerifierMetrics | None = None,
                 credentials: grpc.ServerCredentials | None = None,
@@ -204,9 +210,15 @@ async def serve(build, host: str, port: int, grace_s: float = 10.0,
         engine = servicer.engine
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_timeout_s
-        while engine is not None and engine.sequences and loop.time() < deadline:
+
+        def stepped() -> bool:  # a router is still finishing or moving the sequences
+            return time.monotonic() - engine.last_touched < DRAIN_IDLE_S
+
+        while engine is not None and engine.sequences and loop.time() < deadline \
+                and stepped():
             await asyncio.sleep(0.1)
-        log.info("drained", extra={"sequences_left": len(engine.sequences) if engine else 0})
+        log.info("drained", extra={"sequences_left": len(engine.sequences) if engine else 0,
+                                   "idle": bool(engine and engine.sequences and not stepped())})
 
     async def sweep() -> None:
         loop = asyncio.get_running_loop()
