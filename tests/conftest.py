@@ -76,6 +76,26 @@ def tiny_chat_head(tiny_chat_llm, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_mtbench() -> list[tuple[list[int], list[int]]]:
+    """The real default LLM on 8 MT-Bench first turns (one per category, chat template
+    applied): each prompt's ids and transformers' greedy ``generate`` of 64 new tokens
+    (computed once: the engine and stack tests compare against it)."""
+    from specinfer.chat import chat_prompt_ids
+    from specinfer.data import mtbench_first_turns
+    from specinfer.models import DEFAULT_LLM, load_model, load_tokenizer
+
+    model, tokenizer = load_model(DEFAULT_LLM), load_tokenizer(DEFAULT_LLM)
+    out = []
+    for _, text in mtbench_first_turns(per_category=1):
+        ids = chat_prompt_ids(tokenizer, text)
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        out.append((ids, ref[0, len(ids):].tolist()))
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_datastore() -> None:
     """Build (or find cached) the speculator's ShareGPT datastore for SmolLM2's tokenizer
     before any stack starts, so no speculator spends its start-up building it."""

@@ -29,34 +29,38 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def engine():
-    return build_engine(DEFAULT_LLM, EngineConfig(max_context=1024, slots=2))
+    return build_engine(DEFAULT_LLM, EngineConfig(max_context=1024, slots=8))
 
 
 def noisy_oracle(prompt: list[int], continuation: list[int], vocab: int, seed: int):
+    return batch_oracle([(prompt, continuation)], vocab, seed)
+
+
+def batch_oracle(pairs: list[tuple[list[int], list[int]]], vocab: int, seed: int):
+    """Trees for a batch: each history's (prompt, continuation) pair found by its prompt
+    (sequences leave the batch as they finish)."""
     gen = torch.Generator().manual_seed(seed)
 
     def trees(histories):
-        done = [len(h) - len(prompt) for h in histories]
-        return [decoy_tree(continuation[d : d + 5], vocab, gen) for d in done]
+        out = []
+        for h in histories:
+            prompt, continuation = next((p, c) for p, c in pairs if h[:len(p)] == p)
+            done = len(h) - len(prompt)
+            out.append(decoy_tree(continuation[done : done + 5], vocab, gen))
+        return out
 
     return trees
 
 
-def test_speculative_greedy_equals_generate_on_mtbench(engine):
-    tokenizer = load_tokenizer(DEFAULT_LLM)
-    hf = engine.executor.runtime.model
-    prompts = [chat_prompt_ids(tokenizer, p) for _, p in mtbench_first_turns(per_category=1)]
-    assert len(prompts) == 8
+def test_speculative_greedy_equals_generate_on_mtbench(engine, smollm2_mtbench):
+    """All 8 in one batch: rows of different trees and lengths side by side."""
+    assert len(smollm2_mtbench) == 8
+    assert len({tuple(p) for p, _ in smollm2_mtbench}) == 8  # the oracle tells them apart
+    trees = batch_oracle(smollm2_mtbench, engine.executor.runtime.model.config.vocab_size, 0)
+    results = generate_local(engine, [p for p, _ in smollm2_mtbench], NEW_TOKENS, trees=trees)
     multi = 0
-    for i, prompt in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                              do_sample=False,
-                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        ref = ref[0, len(prompt):].tolist()
-        trees = noisy_oracle(prompt, ref, hf.config.vocab_size, seed=i)
-        res = generate_local(engine, [prompt], NEW_TOKENS, trees=trees)[0]
-        assert res.token_ids == ref, f"prompt {i} diverged"
+    for i, ((_, ref), res) in enumerate(zip(smollm2_mtbench, results, strict=True)):
+        assert res.token_ids == ref[:NEW_TOKENS], f"prompt {i} diverged"
         multi += sum(1 for a in res.accepted_per_step if a > 1)
     assert multi > 8 * 3  # many steps accepted several tokens
 

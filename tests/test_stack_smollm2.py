@@ -1,20 +1,18 @@
 """`specinfer up` with the default LLM (SmolLM2-135M-Instruct) and its default speculator:
 `specinfer generate --chat` through the whole stack equals transformers'
 generate(do_sample=False) token for token on 8 MT-Bench first turns (one per category,
-chat template applied, 48 new tokens), with speculation on."""
+chat template applied, 48 new tokens), with speculation on, two requests at a time."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
-import torch
 from servers import cli, free_port, start
 
-from specinfer.chat import chat_prompt_ids
-from specinfer.client import Client
+from specinfer.client import AsyncClient
 from specinfer.data import mtbench_first_turns
-from specinfer.models import DEFAULT_LLM, load_model, load_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 NEW = 48
@@ -31,22 +29,23 @@ def up(smollm2_datastore):
         assert up.stop() == 0  # stops all of its processes cleanly
 
 
-def test_stack_greedy_equals_transformers_on_mtbench(up):
+def test_stack_greedy_equals_transformers_on_mtbench(up, smollm2_mtbench):
+    """Two requests at a time (the default --spec-max-batch: both speculate)."""
     addr, _ = up
-    model, tok = load_model(DEFAULT_LLM), load_tokenizer(DEFAULT_LLM)
     prompts = [p for _, p in mtbench_first_turns(per_category=1)]
+
+    async def in_pairs() -> list:
+        async with AsyncClient(addr) as client:
+            return [out for i in range(0, len(prompts), 2) for out in await asyncio.gather(
+                *(client.generate(messages=[{"role": "user", "content": p}], max_tokens=NEW)
+                  for p in prompts[i:i + 2]))]
+
     multi = 0
-    with Client(addr) as client:
-        for prompt in prompts:
-            out = client.generate(messages=[{"role": "user", "content": prompt}],
-                                  max_tokens=NEW)
-            ids = chat_prompt_ids(tok, prompt)
-            with torch.no_grad():
-                ref = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
-                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            assert out.token_ids == ref[0, len(ids):].tolist(), prompt[:60]
-            assert out.stats.speculative_steps == out.steps  # every step verified a tree
-            multi += sum(1 for a in out.accepted_per_step if a > 1)
+    for prompt, out, (_, ref) in zip(prompts, asyncio.run(in_pairs()), smollm2_mtbench,
+                                     strict=True):
+        assert out.token_ids == ref[:NEW], prompt[:60]
+        assert out.stats.speculative_steps == out.steps  # every step verified a tree
+        multi += sum(1 for a in out.accepted_per_step if a > 1)
     assert multi > 0  # speculation accepted drafts somewhere
 
 
