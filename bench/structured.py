@@ -25,6 +25,7 @@ from pathlib import Path
 
 from bench.harness import Stack, write_report
 from specinfer.client import AsyncClient
+from specinfer.net import free_port
 
 # Schemas of the kind applications send: records with enums, numbers, nested objects and
 # arrays; bounded so a greedy answer ends within max_tokens.
@@ -160,6 +161,28 @@ async def through_stack(addr: str, pairs: list[tuple[str, dict]], max_tokens: in
     return rows
 
 
+def cache_lookups(metrics_base: int, ports: int = 8) -> dict:
+    """The verifiers' grammar cache lookups, summed over the services' /metrics (ports
+    ``metrics_base`` on, as ``up --metrics-port`` gives them)."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = {"hit": 0.0, "miss": 0.0}
+    for port in range(metrics_base, metrics_base + ports):
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        except (urllib.error.URLError, OSError):
+            continue
+        for family in text_string_to_metric_families(text.decode()):
+            for sample in family.samples:
+                if sample.name == "specinfer:grammar_cache_lookups_total":
+                    counts[sample.labels["result"]] += sample.value
+    total = counts["hit"] + counts["miss"]
+    return {**counts, "hit_rate": counts["hit"] / total if total else 0.0}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=40)
@@ -171,10 +194,16 @@ def main() -> None:
 
     report = {"in_process": in_process(args.llm or DEFAULT_LLM)}
     print(json.dumps(report["in_process"], indent=1))
-    flags = shlex.split(args.flags) + (["--llm", args.llm] if args.llm else [])
+    metrics_base = free_port()  # up gives its services /metrics ports from here on
+    flags = shlex.split(args.flags) + (["--llm", args.llm] if args.llm else []) + \
+        ["--metrics-port", str(metrics_base)]
     with Stack(flags) as stack:
         report["stack"] = asyncio.run(through_stack(stack.addr, requests(args.requests),
                                                     args.max_tokens))
+        report["grammar_cache"] = cache_lookups(metrics_base)
+    cache = report["grammar_cache"]
+    print(f"grammar cache (the verifiers' metrics): {cache['hit']} hits, {cache['miss']} "
+          f"misses, hit rate {cache['hit_rate']:.3f}")
     report["requests"], report["max_tokens"] = args.requests, args.max_tokens
     print(f"{'workload':<14} {'off tok/s':>9} {'on tok/s':>9} {'speedup':>8} "
           f"{'tok/step on':>11} {'valid':>6} {'identical':>9}")
