@@ -306,15 +306,16 @@ def test_every_drafter_mode_keeps_constrained_output(processes, tiny_chat_llm, d
     drafts really used (steps accepting several tokens). Model-free drafts: ``stack``."""
     verifier, speculator = drafters
     router = processes.router(tiny_chat_llm, [verifier], "--speculation", mode,
+                              "--http-port", "0",
                               speculators=() if mode == "head" else (speculator,))
-    accepted = []
+    accepted, speculative = [], 0
     with Client(router.addr) as c:
         for case in MODE_CASES:
             messages = [{"role": "user", "content": "Answer as asked: where?"}]
             on = c.generate(messages=messages, max_tokens=60, **case)
             off = c.generate(messages=messages, max_tokens=60, speculation=False, **case)
             assert on.token_ids == off.token_ids, (mode, case)
-            assert on.stats.speculative_steps > 0, (mode, case)
+            speculative += on.stats.speculative_steps  # ("{}" may leave nothing to draft)
             accepted += on.accepted_per_step
             if on.finish_reason == "stop":
                 if "json_schema" in case:
@@ -327,7 +328,7 @@ def test_every_drafter_mode_keeps_constrained_output(processes, tiny_chat_llm, d
                     assert on.text in case["choice"]
                 else:
                     assert re.fullmatch(r"\([0-9]{1,3} [-+*] [0-9]{1,3}\)", on.text)
-    assert max(accepted) > 1 and sum(accepted) > len(accepted), (mode, accepted)
+    assert speculative > 0 and max(accepted) > 1, (mode, speculative, accepted)
 
 
 def test_the_grpc_sdk_calls_tools_as_http_does(stack):
