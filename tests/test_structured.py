@@ -247,22 +247,23 @@ def test_a_reprefill_continues_the_grammar(chat_engine, tokenizer):
 # ------------------------------------------------------------------ sampling
 
 
-def sampled_trees(vocab_ids: list[int], seed: int):
-    """Trees whose root children are drawn from a uniform q over ``vocab_ids`` (tokens the
-    grammar allows and tokens it forbids), each with a random chain below: sampled drafts,
-    which MSS verifies against the masked target."""
+def sampled_trees(q: dict[int, float], chain_ids: list[int], seed: int):
+    """Trees whose two root children are drawn from ``q`` (token -> probability: tokens the
+    grammar allows and tokens it forbids), each with a random chain of ``chain_ids`` below:
+    sampled drafts, which MSS verifies against the masked target."""
     gen = torch.Generator().manual_seed(seed)
-    q = tuple(1.0 / len(vocab_ids) for _ in vocab_ids)
+    ids, probs = tuple(q), tuple(q.values())
+    weights = torch.tensor(probs)
 
     def trees(histories):
         out = []
         for _ in histories:
             tree = TokenTree()
             for rank in range(2):
-                tok = vocab_ids[int(torch.randint(0, len(vocab_ids), (1,), generator=gen))]
-                node = tree.add(ROOT, tok, [Draft(0, rank, tuple(vocab_ids), q)])
+                tok = ids[int(torch.multinomial(weights, 1, generator=gen))]
+                node = tree.add(ROOT, tok, [Draft(0, rank, ids, probs)])
                 for _ in range(2):
-                    tok = vocab_ids[int(torch.randint(0, len(vocab_ids), (1,),
+                    tok = chain_ids[int(torch.randint(0, len(chain_ids), (1,),
                                                       generator=gen))]
                     node = tree.add(node, tok, [Draft.one_hot(1, 0, tok)])
             out.append(tree)
@@ -273,17 +274,24 @@ def sampled_trees(vocab_ids: list[int], seed: int):
 @pytest.mark.slow  # 2 x N constrained samples
 def test_constrained_sampling_keeps_its_distribution_under_speculation(chat_engine,
                                                                        tokenizer):
-    """A choice whose mask changes token by token (after "yes" only " please" or the end),
-    sampled at T=1 with sampled trees (drafts the grammar forbids among them): the output
-    strings' distribution with speculation equals plain sampling's (p > 1e-3)."""
-    c = Constraint("choice", choices=("yes", "no", "maybe", "yes please", "no thanks"))
+    """A choice whose mask changes token by token (after "The" the four directions, after
+    "The north" "-east" or the end), sampled at T=1 with sampled trees (drafts the grammar
+    forbids among them): the output strings' distribution with speculation equals plain
+    sampling's (p > 1e-3)."""
+    c = Constraint("choice", choices=("The north", "The south", "The east", "The west",
+                                      "The north-east"))
     vocab_ids = sorted({t for s in c.choices for t in tokenizer.encode(s)}
-                       | {t for s in ("y", "n", "m", " please", "x", " the") for t in
-                          tokenizer.encode(s)})
+                       | {t for s in (" x", " the", "-") for t in tokenizer.encode(s)})
+    # The first token ("The") comes from the prefill; the trees decide from the second
+    # on. At their root q is half a token the grammar forbids (" x") and half an allowed
+    # one the LLM makes less likely than that (" west", p ~ 0.17 here), so the forbidden
+    # draft's rejection changes the residual the other draft is verified against.
+    q = {tokenizer.encode(" x")[0]: 0.5, tokenizer.encode(" west")[0]: 0.5}
     prompt = prompts(tokenizer)[0]
 
     plain_texts = _sample(chat_engine, prompt, c, None, 0, tokenizer)
-    spec_texts = _sample(chat_engine, prompt, c, sampled_trees(vocab_ids, 7), 10_000, tokenizer)
+    spec_texts = _sample(chat_engine, prompt, c, sampled_trees(q, vocab_ids, 7), 10_000,
+                         tokenizer)
     assert set(plain_texts) <= set(c.choices) and set(spec_texts) <= set(c.choices)
     assert len(set(plain_texts)) >= 3
     index = {s: i for i, s in enumerate(c.choices)}
