@@ -96,7 +96,6 @@ def main() -> None:
           f"max {max(ratios):.3f}) over {args.rounds} rounds; outputs identical: {same}")
     out = Path("bench/results") / f"ab-local-{date.today().isoformat()}" / "report.json"
     write_report(out, report)
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -214,7 +214,6 @@ def main() -> None:
               f"{row['identical']!s:>9}")
     out = Path("bench/results") / f"structured-{date.today().isoformat()}" / "report.json"
     write_report(out, report)
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
