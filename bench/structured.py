@@ -129,7 +129,7 @@ async def through_stack(addr: str, pairs: list[tuple[str, dict]], max_tokens: in
     import jsonschema
 
     async def run(speculation: bool, constrained: bool) -> dict:
-        tokens, steps, elapsed, texts, valid = 0, 0, 0.0, [], 0
+        tokens, steps, speculative, elapsed, texts, valid = 0, 0, 0, 0.0, [], 0
         async with AsyncClient(addr, timeout=600) as client:
             for prompt, schema in pairs:
                 start = time.perf_counter()
@@ -139,6 +139,7 @@ async def through_stack(addr: str, pairs: list[tuple[str, dict]], max_tokens: in
                 elapsed += time.perf_counter() - start
                 tokens += len(out.token_ids)
                 steps += max(out.steps, 1)
+                speculative += out.stats.speculative_steps
                 texts.append(out.text)
                 if constrained and out.finish_reason == "stop":
                     try:
@@ -147,7 +148,8 @@ async def through_stack(addr: str, pairs: list[tuple[str, dict]], max_tokens: in
                     except (ValueError, jsonschema.ValidationError):
                         pass
         return {"tokens_per_s": tokens / elapsed, "tokens": tokens,
-                "tokens_per_step": tokens / steps, "valid": valid, "texts": texts}
+                "tokens_per_step": tokens / steps, "speculative_share": speculative / steps,
+                "valid": valid, "texts": texts}
 
     await run(True, True)  # warm-up: compiles every schema once, as a server would have
     rows = {}
