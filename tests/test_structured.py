@@ -182,6 +182,12 @@ def test_forced_tokens_make_steps_accept_several_tokens(chat_engine, tokenizer):
     assert chat_engine.forced_tokens > forced
     assert len(spec.token_ids) / spec.steps > 2.0, spec.accepted_per_step
     assert plain.steps == len(plain.token_ids) - 1  # one token a step without a plan
+    # Forced tokens alone (no tree, no plan: what a request that speculates gets in a
+    # step the policy decodes plain): the same output in fewer steps.
+    [alone] = generate_local(chat_engine, prompts(tokenizer)[:1], 64, constraint=c,
+                             forced=True)
+    assert alone.token_ids == plain.token_ids
+    assert len(alone.token_ids) / alone.steps > 1.5, alone.accepted_per_step
 
 
 def test_min_tokens_gives_way_to_a_finished_grammar(chat_engine, tokenizer):

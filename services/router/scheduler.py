@@ -403,10 +403,14 @@ class Scheduler:
 
 def _step_item(req: GenRequest, plan: StepPlan,
                tree: common_pb2.TokenTree | None) -> verifier_pb2.StepItem:
-    """``req``'s part of a Step call: its root, the speculator's tree, its plan."""
+    """``req``'s part of a Step call: its root, the speculator's tree, its plan. A
+    constrained request that allows speculation has its grammar's forced tokens drafted
+    in every step, whatever the mode: they cost a row each and are accepted with
+    certainty."""
     return verifier_pb2.StepItem(sequence_id=req.id, root_token=req.generated[-1], tree=tree,
                                  draft=draft_plan_to_proto(plan.draft),
-                                 shadow=draft_plan_to_proto(plan.shadow))
+                                 shadow=draft_plan_to_proto(plan.shadow),
+                                 forced=req.speculation and req.constraint is not None)
 
 
 def _client_deadline_passed(exc: grpc.aio.AioRpcError, reqs: list[GenRequest]) -> bool:

@@ -68,13 +68,15 @@ class PrefillOut:
 class StepItem:
     """One sequence's part of a step: its last token (checked against the verifier's
     record), a tree drafted elsewhere (empty: none), the verifier's own drafts for it, and
-    an unverified shadow draft for the next step (deterministic sources only)."""
+    an unverified shadow draft for the next step (deterministic sources only); ``forced``:
+    draft its grammar's forced tokens even without a tree or a plan."""
 
     sequence_id: str
     root_token: int
     tree: TokenTree = field(default_factory=TokenTree)
     draft: DraftPlan = DraftPlan()
     shadow: DraftPlan = DraftPlan()
+    forced: bool = False
 
 
 @dataclass
@@ -347,14 +349,15 @@ class VerifierEngine:
     def _constrain(self, seqs: list[SequenceState], items: list[StepItem],
                    trees: list[TokenTree], budgets: list[int]) -> list[torch.Tensor | None]:
         """Constrained sequences' trees cut to their grammar and, for a speculating item
-        (one with a tree or a draft plan), extended by the tokens the grammar forces
-        within its node budget; returns each item's row masks (None: unconstrained)."""
+        (one with a tree, a draft plan or ``forced``), extended by the tokens the grammar
+        forces within its node budget; returns each item's row masks (None:
+        unconstrained)."""
         masks: list[torch.Tensor | None] = []
         for i, (seq, item) in enumerate(zip(seqs, items, strict=True)):
             if seq.grammar is None:
                 masks.append(None)
                 continue
-            speculates = len(item.tree) > 0 or bool(item.draft)
+            speculates = len(item.tree) > 0 or bool(item.draft) or item.forced
             limit = (budgets[i] or self.config.max_tree_nodes) if speculates else 0
             limit = min(limit, self.config.max_context - seq.cached - 1)
             forced = seq.grammar.forced_tokens

@@ -46,11 +46,13 @@ def generate_local(
     stop_token_ids: Sequence[int] | None = None,
     draft: DraftPlan | None = None,
     constraint: Constraint | None = None,
+    forced: bool = False,
 ) -> list[LocalResult]:
     """Decode a batch to ``max_new_tokens`` each (or a stop token, which is kept), one
     ``Step`` per iteration. ``draft`` has the verifier draft each step's trees itself with
     its own sources, merged with ``trees``' when given. ``constraint``: structured output
-    (every sequence's), which ends at the end-of-sequence token it allows. ``params``: one
+    (every sequence's), which ends at the end-of-sequence token it allows; ``forced``: its
+    forced tokens drafted every step (as the router asks when a request speculates). ``params``: one
     for every sequence, or one each (e.g. a seed each: independent samples in one batch)."""
     params = params or SamplingParams()
     each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -76,7 +78,7 @@ def generate_local(
             t0 = time.perf_counter()
             drafted = trees([history[sid] for sid in live]) if trees else [TokenTree()] * len(live)
             t1 = time.perf_counter()
-            out = engine.step([StepItem(sid, history[sid][-1], tree, draft)
+            out = engine.step([StepItem(sid, history[sid][-1], tree, draft, forced=forced)
                                for sid, tree in zip(live, drafted, strict=True)])
             t2 = time.perf_counter()
             for r in out:

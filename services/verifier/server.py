@@ -170,7 +170,7 @@ def step_item_from_proto(msg: verifier_pb2.StepItem, field: str) -> StepItem:
         raise ValueError(f"{field}.{exc}") from exc
     return StepItem(msg.sequence_id, msg.root_token, tree,
                     draft_plan_from_proto(msg.draft, f"{field}.draft"),
-                    draft_plan_from_proto(msg.shadow, f"{field}.shadow"))
+                    draft_plan_from_proto(msg.shadow, f"{field}.shadow"), msg.forced)
 
 
 def _after(message: str, field: str) -> str:

@@ -56,18 +56,20 @@ class DraftPlan(_message.Message):
     def __init__(self, sources: _Optional[_Iterable[str]] = ..., max_nodes: _Optional[int] = ...) -> None: ...
 
 class StepItem(_message.Message):
-    __slots__ = ("sequence_id", "root_token", "tree", "draft", "shadow")
+    __slots__ = ("sequence_id", "root_token", "tree", "draft", "shadow", "forced")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     SHADOW_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     root_token: int
     tree: _common_pb2.TokenTree
     draft: DraftPlan
     shadow: DraftPlan
-    def __init__(self, sequence_id: _Optional[str] = ..., root_token: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft: _Optional[_Union[DraftPlan, _Mapping]] = ..., shadow: _Optional[_Union[DraftPlan, _Mapping]] = ...) -> None: ...
+    forced: bool
+    def __init__(self, sequence_id: _Optional[str] = ..., root_token: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft: _Optional[_Union[DraftPlan, _Mapping]] = ..., shadow: _Optional[_Union[DraftPlan, _Mapping]] = ..., forced: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("items",)
