@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import logging
 import re
 from collections.abc import Callable
@@ -72,8 +71,14 @@ class Discovery(abc.ABC):
 
     async def close(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        pending = set(tasks)
+        while pending:
+            for t in pending:
+                t.cancel()
+            # Cancelled again until done: on Python < 3.12 ``asyncio.wait_for`` loses a
+            # cancellation that lands as its inner call completes (CPython gh-86296), and
+            # a watch loop would run on, and an ``await`` of it never return.
+            done, pending = await asyncio.wait(pending, timeout=0.5)
+            for t in done:
+                if not t.cancelled():
+                    t.exception()  # retrieved: a task that failed is not logged at exit
