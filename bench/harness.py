@@ -293,3 +293,10 @@ def write_report(path: Path, report: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     print(f"wrote {path}")
+
+
+def scrape(url: str, name: str) -> dict[str, float]:
+    """Counter ``name``'s series on a Prometheus text page, by their labels."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {line.rsplit(" ", 1)[0].removeprefix(name): float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(name + "{")}

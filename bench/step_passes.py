@@ -12,20 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import urllib.request
 
-from bench.harness import Stack, mtbench_prompts, run_pass
+from bench.harness import Stack, mtbench_prompts, run_pass, scrape
 from specinfer.client import AsyncClient
 from specinfer.net import free_port
 
 STEPS, PASSES = "specinfer:steps_total", "specinfer:verifier_forward_passes_total"
-
-
-def scrape(url: str, name: str) -> dict[str, float]:
-    """Counter ``name``'s series on a Prometheus text page, by their labels."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return {line.rsplit(" ", 1)[0].removeprefix(name): float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith(name + "{")}
 
 
 def overlapped(series: str) -> bool:

@@ -23,7 +23,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from bench.harness import Stack, write_report
+from bench.harness import Stack, scrape, write_report
 from specinfer.client import AsyncClient
 from specinfer.net import free_port
 
@@ -166,21 +166,15 @@ async def through_stack(addr: str, pairs: list[tuple[str, dict]], max_tokens: in
 def cache_lookups(metrics_base: int, ports: int = 8) -> dict:
     """The verifiers' grammar cache lookups, summed over the services' /metrics (ports
     ``metrics_base`` on, as ``up --metrics-port`` gives them)."""
-    import urllib.error
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
     counts = {"hit": 0.0, "miss": 0.0}
     for port in range(metrics_base, metrics_base + ports):
         try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
-        except (urllib.error.URLError, OSError):
+            series = scrape(f"http://127.0.0.1:{port}/metrics",
+                            "specinfer:grammar_cache_lookups_total")
+        except OSError:  # no service on that port (URLError is an OSError)
             continue
-        for family in text_string_to_metric_families(text.decode()):
-            for sample in family.samples:
-                if sample.name == "specinfer:grammar_cache_lookups_total":
-                    counts[sample.labels["result"]] += sample.value
+        for labels, value in series.items():
+            counts["hit" if 'result="hit"' in labels else "miss"] += value
     total = counts["hit"] + counts["miss"]
     return {**counts, "hit_rate": counts["hit"] / total if total else 0.0}
 
