@@ -18,6 +18,12 @@ For a step it shapes the sequence's token tree and gives each tree row its mask:
 - row 0 gets the mask after the sequence's text, row 1 + i the mask after node i's path:
   what plain constrained decoding sees at that position, so greedy verification and MSS
   stay exact.
+
+A drafter masks at the source (``allowed_after``): it drafts each node's children from its
+own distribution restricted to what the grammar allows after that node's path, and records
+that masked, renormalised distribution as the drafts' ``q``, so a sampled draft the grammar
+forbids is never drawn. The masks it computes for a step are kept (by path) until the
+sequence advances, and ``shape`` reuses them.
 """
 
 from __future__ import annotations
@@ -128,6 +134,10 @@ class SequenceGrammar:
         # with choices of odd multi-byte characters): from then on only the end of
         # sequence is allowed, so the sequence ends instead of failing its whole batch.
         self.broken = False
+        # Masks computed this step, by draft path below the root (drafters, then shape).
+        self._memo: dict[tuple[int, ...], torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self.seconds = 0.0  # spent in ``allowed_after`` (the drafters' masks)
 
     @property
     def finished(self) -> bool:
@@ -149,9 +159,43 @@ class SequenceGrammar:
         self.matcher.unsafe_compute_mask_ptr(target.data_ptr(),
                                              target.numel() * target.element_size())
 
+    def _fill_path(self, masks: torch.Tensor, row: int, path: tuple[int, ...]) -> None:
+        """``fill`` for the matcher's state after ``path`` (it is in that state now),
+        reusing the mask a drafter computed for the same path this step."""
+        kept = self._memo.get(path)
+        if kept is not None:
+            masks[row] = kept
+            return
+        self.fill(masks, row)
+        self._memo[path] = masks[row].clone()
+
+    def allowed_after(self, path: Sequence[int]) -> torch.Tensor:
+        """The tokens the grammar allows after the sequence's tokens and ``path`` (draft
+        tokens below the root), a bool per token id; none if ``path`` leaves the grammar.
+        The matcher ends in the state it started in."""
+        start = time.perf_counter()
+        key = tuple(path)
+        with self._lock:  # drafters on several threads (a speculator's SSMs) share it
+            words = self._memo.get(key)
+            if words is None:
+                words = self.masks(1)[0]
+                valid = self.matcher.validate_tokens(list(key)) if key else 0
+                if valid < len(key):
+                    words.zero_()
+                else:
+                    if key and not self.matcher.consume_tokens(list(key)):
+                        raise RuntimeError(f"grammar refused a valid path: "
+                                           f"{self.matcher.get_error()}")
+                    self.fill(words.view(1, -1), 0)
+                    self.matcher.rollback(len(key))
+                self._memo[key] = words
+            self.seconds += time.perf_counter() - start
+        return unpack(words.view(1, -1), self.vocab_size)[0]
+
     def advance(self, tokens: Sequence[int]) -> None:
         """Consume accepted tokens (each was allowed: its row was masked). Once the grammar
         has stopped, only the end of sequence was allowed: nothing is left to consume."""
+        self._memo.clear()
         for token in tokens:
             if self.matcher.is_stopped() or self.broken:
                 return
@@ -167,19 +211,19 @@ class SequenceGrammar:
         for node, parent in enumerate(tree.parents):
             children.setdefault(parent, []).append(node)
         masks = self.masks(1 + len(tree) + max(room, 0))
-        self.fill(masks, 0)
+        self._fill_path(masks, 0, ())
         out = TokenTree()
         left = [max(room, 0)]
 
-        def visit(old: int, new: int, row: int) -> None:
+        def visit(old: int, new: int, row: int, path: tuple[int, ...]) -> None:
             kept = 0
             for child in children.get(old, ()):
                 token, drafts = tree.tokens[child], tree.drafts[child]
                 if allowed(masks[row], token) and self.matcher.validate_tokens([token]):
                     node = out.add(new, token, drafts)
                     self._consume(token)
-                    self.fill(masks, 1 + node)
-                    visit(child, node, 1 + node)
+                    self._fill_path(masks, 1 + node, (*path, token))
+                    visit(child, node, 1 + node, (*path, token))
                     self.matcher.rollback(1)
                     kept += 1
                 elif not greedy and any(len(d.q_ids) > 1 for d in drafts):
@@ -188,7 +232,7 @@ class SequenceGrammar:
             if not kept and left[0] > 0:
                 self._force(out, new, masks, left)
 
-        visit(ROOT, ROOT, 0)
+        visit(ROOT, ROOT, 0, ())
         return out, masks[: 1 + len(out)]
 
     def _force(self, out: TokenTree, node: int, masks: torch.Tensor, left: list[int]) -> None:
@@ -213,6 +257,23 @@ class SequenceGrammar:
             raise RuntimeError(f"grammar refused an allowed token: {self.matcher.get_error()}")
 
 
+def compiler_for(llm: str, vocab_size: int, eos: list[int]) -> GrammarCompiler | None:
+    """Structured output's compiler for the LLM's tokenizer; None when the model has no
+    tokenizer (or no end-of-sequence token): constraints are then refused (a verifier) or
+    ignored (a speculator's drafts are left unmasked)."""
+    from specinfer.models import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(llm)
+    except (OSError, ValueError) as exc:
+        log.warning("no tokenizer: structured output is off", extra={"error": str(exc)[:200]})
+        return None
+    if not eos:
+        log.warning("no end-of-sequence token: structured output is off")
+        return None
+    return GrammarCompiler(tokenizer, vocab_size, eos)
+
+
 def allowed(mask: torch.Tensor, token: int) -> bool:
     """Whether ``token``'s bit is set in one bitmask row (32 tokens per int32 word)."""
     return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
@@ -226,13 +287,16 @@ def _bit(k: int) -> int:
     return (1 << k) - (1 << 32) if k == 31 else 1 << k
 
 
+def unpack(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bitmask rows ``[R, words]`` as bools ``[R, vocab_size]``."""
+    return ((masks.unsqueeze(-1) >> _BITS) & 1).view(masks.shape[0], -1)[:, :vocab_size].bool()
+
+
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
     """``logits [R, V]`` (float32, on the host) with the tokens each row's mask forbids at
     -inf, in place; a row of the bitmask per row of logits. (llguidance's own helper
     goes through torch.compile, which a CPU host may not be able to build.)"""
-    allowed_bits = ((masks.unsqueeze(-1) >> _BITS) & 1).view(masks.shape[0], -1).bool()
-    vocab = logits.shape[-1]
-    logits.masked_fill_(~allowed_bits[:, :vocab], float("-inf"))
+    logits.masked_fill_(~unpack(masks, logits.shape[-1]), float("-inf"))
     return logits
 
 
@@ -250,4 +314,4 @@ def mask_logits(processed: torch.Tensor, raw: torch.Tensor, masks: torch.Tensor)
 
 
 __all__ = ["FORCED_SOURCE", "GrammarCompiler", "InvalidConstraint", "SequenceGrammar",
-           "allowed", "apply_masks", "mask_logits"]
+           "allowed", "compiler_for", "apply_masks", "mask_logits", "unpack"]

@@ -115,6 +115,28 @@ def materialize(ref: str) -> Path:
     return target
 
 
+def llm_eos_ids(ref: str) -> list[int]:
+    """The LLM's end-of-sequence token ids, from its generation config (else its config),
+    without loading its weights."""
+    from transformers import AutoConfig, GenerationConfig
+
+    path = materialize(ref)
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    return eos_list(eos, AutoConfig.from_pretrained(path))
+
+
+def eos_list(generation_eos, config) -> list[int]:
+    """End-of-sequence ids: the generation config's (an id or a list), else the model
+    config's, else none."""
+    eos = generation_eos if generation_eos is not None else config.eos_token_id
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
 def load_tokenizer(ref: str):
     from transformers import AutoTokenizer
 

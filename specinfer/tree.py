@@ -223,8 +223,9 @@ def expand_level(
     next_frontier: list[int] = []
     for row, parent in enumerate(frontier):
         p = probs[row]
-        if not sample:
-            top = ids_of(torch.topk(p, min(width, p.numel())).indices.tolist())
+        if not sample:  # tokens of probability 0 (masked out) are never drafted
+            top = torch.topk(p, min(width, p.numel()))
+            top = ids_of(top.indices[top.values > 0].tolist())
             for rank, tok in enumerate(top):
                 next_frontier.append(tree.add(parent, tok, [Draft.one_hot(source, rank, tok)]))
             continue

@@ -63,14 +63,14 @@ def tiny_chat_llm(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_chat_head(tiny_chat_llm, tmp_path_factory) -> str:
-    """A random draft head for ``tiny_chat_llm`` (over its first 4096 tokens), saved as
+    """A random draft head for ``tiny_chat_llm`` (over its first 8192 tokens), saved as
     ``--draft-head`` takes it."""
     from specinfer.drafting.head import DraftHead
     from specinfer.models import load_model
     from specinfer.training.head import save_head
 
     head = tmp_path_factory.mktemp("head") / "head"
-    save_head(DraftHead(load_model(tiny_chat_llm), torch.arange(0, 4096)), head,
+    save_head(DraftHead(load_model(tiny_chat_llm), torch.arange(0, 8192)), head,
               tiny_chat_llm, {})
     return str(head)
 

@@ -206,3 +206,40 @@ def test_a_speculate_call_holds_at_most_max_items_sequences():
     assert len(specs_from_proto(request(MAX_ITEMS))) == MAX_ITEMS
     with pytest.raises(InvalidArgument, match="items"):
         specs_from_proto(request(MAX_ITEMS + 1))
+
+
+def test_constrained_drafts_are_masked_by_the_grammar(tiny_chat_llm):
+    """Two SSMs (on threads) draft a constrained sequence only what the grammar allows
+    after each node (greedy and sampled); the matcher kept between calls is advanced by the
+    new tokens and gives the trees a fresh engine gives; a released sequence's matcher is
+    dropped; a history the constraint does not follow leaves the drafts unmasked."""
+    from specinfer.constraints import Constraint
+    from specinfer.grammar import compiler_for
+    from specinfer.models import llm_eos_ids, load_tokenizer
+
+    def engine():
+        return SpeculatorEngine([drafter(tiny_chat_llm, 0), drafter(tiny_chat_llm, 1)], 49152,
+                                prompt_lookup=False, expansion=[3, 2, 1], max_nodes=24,
+                                grammars=compiler_for(tiny_chat_llm, 49152,
+                                                      llm_eos_ids(tiny_chat_llm)))
+    tok = load_tokenizer(tiny_chat_llm)
+    c = Constraint("regex", r"(yes|no), because [a-z ]{1,20}\.")
+    prompt = tok.encode("Answer:")
+    warm = engine()
+    check = warm.grammars
+    for params in (SamplingParams(), SamplingParams(1.0, seed=4)):
+        for generated in ([tok.encode("yes")[0]], tok.encode("yes, because")):
+            spec = SpeculateSpec("s", prompt + generated, params, constraint=c,
+                                 prompt_length=len(prompt))
+            tree = warm.speculate([spec])[0]
+            assert tree.paths() == engine().speculate([spec])[0].paths()
+            grammar = check.start(c, generated)
+            assert len(tree) >= 3
+            for node in range(len(tree)):
+                path = tree.path_tokens(node)
+                assert grammar.allowed_after(path[:-1])[path[-1]], path
+        warm.forget(["s"])
+        assert "s" not in warm.sequence_grammars
+    off = SpeculateSpec("t", prompt + tok.encode("maybe"), SamplingParams(), constraint=c,
+                        prompt_length=len(prompt))
+    assert len(warm.speculate([off])[0]) > 0 and warm.grammar(off) is None

@@ -21,9 +21,10 @@ from services.verifier.engine import EngineConfig, PrefillSpec, StepItem
 from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
 from specinfer.constraints import Constraint, InvalidConstraint
-from specinfer.drafting import DraftPlan
+from specinfer.drafting import DraftPlan, DraftRequest
+from specinfer.drafting.ssm import SSMDrafter
 from specinfer.errors import InvalidArgument
-from specinfer.models import load_tokenizer
+from specinfer.models import load_model, load_tokenizer
 from specinfer.placement import resolve
 from specinfer.sampling import SamplingParams
 from specinfer.tree import ROOT, Draft, TokenTree
@@ -166,6 +167,39 @@ def test_constrained_greedy_is_the_same_with_every_kind_of_draft(engines, tokeni
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
 
 
+@pytest.fixture(scope="module")
+def head_engine(tiny_chat_llm, tiny_chat_head):
+    return build_engine(tiny_chat_llm, ENGINE, head=tiny_chat_head)
+
+
+def test_drafts_are_masked_at_the_source(tiny_chat_llm, chat_engine, tokenizer):
+    """A drafter given the grammar drafts only what it allows after each node's path, and
+    a sampled draft's ``q`` is its distribution masked and renormalised (support inside
+    the mask, summing to 1); without the grammar the same drafter drafts forbidden tokens
+    (so the mask is what keeps them out)."""
+    c = Constraint("regex", r"(yes|no), because [a-z ]{1,20}\.")
+    ssm = SSMDrafter(load_model(tiny_chat_llm), slots=1, max_context=128)
+    prompt = prompts(tokenizer)[1]
+    grammar = chat_engine.grammars.start(c, [])
+    for params in (SamplingParams(), SamplingParams(1.0, seed=3)):
+        def draft(allowed, params=params):
+            gen = None if params.greedy else torch.Generator().manual_seed(5)
+            return ssm.propose([DraftRequest("s", prompt, [3, 2, 1], params, gen,
+                                             allowed=allowed)])[0]
+        tree = draft(grammar.allowed_after)
+        assert len(tree) >= 3
+        for node in range(len(tree)):
+            path = tree.path_tokens(node)
+            mask = grammar.allowed_after(path[:-1])
+            assert mask[path[-1]], (node, path)
+            for d in tree.drafts[node]:
+                assert all(mask[t] for t in d.q_ids)
+                assert abs(sum(d.q_probs) - 1) < 1e-6
+        free = draft(None)
+        assert any(not grammar.allowed_after(free.path_tokens(n)[:-1])[free.tokens[n]]
+                   for n in range(len(free)))
+
+
 def test_forced_tokens_make_steps_accept_several_tokens(chat_engine, tokenizer):
     """A schema's keys and punctuation are forced: drafted by the grammar, accepted."""
     schema = {"type": "object", "properties": {k: {"type": "boolean"} for k in
@@ -279,6 +313,7 @@ def sampled_trees(q: dict[int, float], chain_ids: list[int], seed: int):
 
 @pytest.mark.slow  # 2 x N constrained samples
 def test_constrained_sampling_keeps_its_distribution_under_speculation(chat_engine,
+                                                                       head_engine,
                                                                        tokenizer):
     """A choice whose mask changes token by token (after "The" the four directions, after
     "The north" "-east" or the end), sampled at T=1 with sampled trees (drafts the grammar
@@ -298,19 +333,27 @@ def test_constrained_sampling_keeps_its_distribution_under_speculation(chat_engi
     plain_texts = _sample(chat_engine, prompt, c, None, 0, tokenizer)
     spec_texts = _sample(chat_engine, prompt, c, sampled_trees(q, vocab_ids, 7), 10_000,
                          tokenizer)
+    # The draft head's trees, sampled from its distribution masked to the grammar at the
+    # source (a random head: its q spreads over many allowed spellings of the choices).
+    head_texts = _sample(head_engine, prompt, c, None, 20_000, tokenizer,
+                         DraftPlan(("head",), 8))
     assert set(plain_texts) <= set(c.choices) and set(spec_texts) <= set(c.choices)
+    assert set(head_texts) <= set(c.choices)
     assert len(set(plain_texts)) >= 3
     index = {s: i for i, s in enumerate(c.choices)}
-    p = homogeneity_pvalue([index[t] for t in plain_texts], [index[t] for t in spec_texts])
-    assert p > 1e-3, (p, sorted(plain_texts)[:5])
+    for texts in (spec_texts, head_texts):
+        p = homogeneity_pvalue([index[t] for t in plain_texts], [index[t] for t in texts])
+        assert p > 1e-3, (p, sorted(plain_texts)[:5])
 
 
-def _sample(engine, prompt, constraint, trees, seed0: int, tokenizer) -> list[str]:
+def _sample(engine, prompt, constraint, trees, seed0: int, tokenizer,
+            draft: DraftPlan | None = None) -> list[str]:
     texts, batch = [], ENGINE.slots  # a seed each, a batch at a time
     for start in range(0, N, batch):
         params = [SamplingParams(1.0, seed=seed0 + i) for i in range(start, start + batch)]
         texts += [tokenizer.decode(r.token_ids[:-1]) for r in generate_local(
-            engine, [prompt] * batch, 8, trees=trees, params=params, constraint=constraint)]
+            engine, [prompt] * batch, 8, trees=trees, params=params, constraint=constraint,
+            draft=draft)]
     return texts
 
 

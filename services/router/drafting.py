@@ -30,7 +30,7 @@ from specinfer import tracing
 from specinfer.channels import internal_channel
 from specinfer.tls import TlsConfig
 from specinfer.v1 import common_pb2, speculator_pb2, speculator_pb2_grpc
-from specinfer.wire import sampling_to_proto
+from specinfer.wire import constraint_to_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +160,10 @@ class SpeculatorPool:
                         out = await member.stream.speculate(reqs, sampling, configs, timeout)
                     else:
                         out = await member.rpc.Speculate(speculator_pb2.SpeculateRequest(items=[
-                            speculator_pb2.SpeculateItem(sequence_id=r.id, context=r.history,
-                                                         sampling=s, tree=c)
+                            speculator_pb2.SpeculateItem(
+                                sequence_id=r.id, context=r.history, sampling=s, tree=c,
+                                constraint=constraint_to_proto(r.constraint),
+                                prompt_length=len(r.prompt_ids))
                             for r, s, c in zip(reqs, sampling, configs, strict=True)]),
                             timeout=timeout)
                     span.set_attribute("specinfer.tree_nodes",

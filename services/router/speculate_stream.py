@@ -21,6 +21,7 @@ import grpc
 from services.router.request import GenRequest
 from specinfer import tracing
 from specinfer.v1 import common_pb2, speculator_pb2, speculator_pb2_grpc
+from specinfer.wire import constraint_to_proto
 
 # A stream holding this many sequences starts again (the speculator refuses more): the
 # router releases ended sequences, so only a leak would get here.
@@ -57,9 +58,13 @@ class SpeculatorStream:
             offset = self.sent.get(r.id, 0)
             if offset > len(r.history):  # cannot happen (histories only grow): start over
                 offset = 0
-            items.append(speculator_pb2.StreamItem(
-                sequence_id=r.id, offset=offset, delta=r.history[offset:], sampling=params,
-                tree=tree))
+            item = speculator_pb2.StreamItem(sequence_id=r.id, offset=offset,
+                                             delta=r.history[offset:], sampling=params,
+                                             tree=tree)
+            if offset == 0 and r.constraint is not None:  # the stream holds it from here
+                item.constraint.CopyFrom(constraint_to_proto(r.constraint))
+                item.prompt_length = len(r.prompt_ids)
+            items.append(item)
         msg = speculator_pb2.SpeculateStreamRequest(step=self.step, items=items,
                                                     release=sorted(self.releases),
                                                     trace_context=tracing.carrier())

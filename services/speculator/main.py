@@ -18,7 +18,8 @@ def build(config: SpeculatorConfig):
 
     from services.speculator.engine import SpeculatorEngine
     from specinfer.drafting.ssm import SSMDrafter
-    from specinfer.models import default_pool, materialize
+    from specinfer.grammar import compiler_for
+    from specinfer.models import default_pool, llm_eos_ids, materialize
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -35,7 +36,8 @@ def build(config: SpeculatorConfig):
                                         "datastore": 0 if datastore is None else len(datastore),
                                         "expansion": expansion})
     return SpeculatorEngine(pool, vocab, prompt_lookup=not config.no_ngram, expansion=expansion,
-                            max_nodes=config.max_nodes, datastore=datastore)
+                            max_nodes=config.max_nodes, datastore=datastore,
+                            grammars=compiler_for(config.llm, vocab, llm_eos_ids(config.llm)))
 
 
 def run(config: SpeculatorConfig) -> int:

@@ -14,10 +14,11 @@ from opentelemetry import trace
 from services.speculator.engine import SpeculateSpec, SpeculatorEngine
 from services.speculator.metrics import SpeculatorMetrics
 from specinfer import tracing
+from specinfer.constraints import Constraint
 from specinfer.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specinfer.grpc_server import abort_on_error, serve_engine
 from specinfer.v1 import speculator_pb2, speculator_pb2_grpc
-from specinfer.wire import sampling_from_proto, tree_to_proto
+from specinfer.wire import constraint_from_proto, sampling_from_proto, tree_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +27,15 @@ MAX_ITEMS = 1024  # sequences per Speculate call: a router's batch is far smalle
 MAX_STREAM_SEQUENCES = 4096  # sequences one SpeculateStream holds (the router releases them)
 
 
-def _spec(sequence_id: str, context: list[int], params,
-          tree: speculator_pb2.TreeConfig) -> SpeculateSpec:
+def _spec(sequence_id: str, context: list[int], params, tree: speculator_pb2.TreeConfig,
+          constraint: Constraint | None = None, prompt_length: int = 0) -> SpeculateSpec:
     return SpeculateSpec(sequence_id, context, params, list(tree.expansion), tree.max_nodes,
-                         tree.dynamic, tree.ssm_only)
+                         tree.dynamic, tree.ssm_only, constraint, prompt_length)
+
+
+def _constraint(item, field: str) -> Constraint | None:
+    return constraint_from_proto(item.constraint, field) if item.HasField("constraint") \
+        else None
 
 
 def specs_from_proto(request: speculator_pb2.SpeculateRequest) -> list[SpeculateSpec]:
@@ -39,7 +45,8 @@ def specs_from_proto(request: speculator_pb2.SpeculateRequest) -> list[Speculate
     specs = []
     for i, item in enumerate(request.items):
         params = sampling_from_proto(item.sampling, f"items[{i}].sampling")
-        specs.append(_spec(item.sequence_id, list(item.context), params, item.tree))
+        specs.append(_spec(item.sequence_id, list(item.context), params, item.tree,
+                           _constraint(item, f"items[{i}].constraint"), item.prompt_length))
     return specs
 
 
@@ -55,10 +62,12 @@ def _message_span(request: speculator_pb2.SpeculateStreamRequest):
 
 
 class StreamContexts:
-    """What one SpeculateStream holds: each sequence's context (the tokens sent so far)."""
+    """What one SpeculateStream holds: each sequence's context (the tokens sent so far)
+    and its constraint (sent with its first tokens)."""
 
     def __init__(self) -> None:
         self.held: dict[str, list[int]] = {}
+        self.constraints: dict[str, tuple[Constraint, int]] = {}  # (constraint, prompt len)
 
     def specs(self, request: speculator_pb2.SpeculateStreamRequest) -> list[SpeculateSpec]:
         """The step's specs from the held contexts and the deltas; holds nothing new until
@@ -79,7 +88,10 @@ class StreamContexts:
                     f"items[{i}].offset", f"the stream holds {len(held)} tokens of sequence "
                     f"{sid!r}, not {item.offset}; send its full context with offset 0")
             params = sampling_from_proto(item.sampling, f"items[{i}].sampling")
-            specs.append(_spec(sid, held + list(item.delta), params, item.tree))
+            constraint, prompt_length = self.constraints.get(sid, (None, 0)) if item.offset \
+                else (_constraint(item, f"items[{i}].constraint"), item.prompt_length)
+            specs.append(_spec(sid, held + list(item.delta), params, item.tree, constraint,
+                               prompt_length))
         if len(self.held.keys() | seen) > MAX_STREAM_SEQUENCES:
             raise ResourceExhausted(f"the stream would hold more than {MAX_STREAM_SEQUENCES} "
                                     "sequences; release those that ended")
@@ -88,8 +100,14 @@ class StreamContexts:
     def commit(self, specs: list[SpeculateSpec]) -> None:
         for spec in specs:
             self.held[spec.sequence_id] = spec.context
+            if spec.constraint is not None:
+                self.constraints[spec.sequence_id] = (spec.constraint, spec.prompt_length)
+            else:
+                self.constraints.pop(spec.sequence_id, None)
 
     def release(self, sequence_ids) -> list[str]:
+        for sid in sequence_ids:
+            self.constraints.pop(sid, None)
         return [sid for sid in sequence_ids if self.held.pop(sid, None) is not None]
 
 

@@ -32,6 +32,7 @@ from specinfer.errors import (
     check_token_ids,
 )
 from specinfer.grammar import GrammarCompiler, SequenceGrammar, mask_logits
+from specinfer.models import eos_list
 from specinfer.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -277,12 +278,15 @@ class VerifierEngine:
         seqs, budgets = self._check_step(items)
         if not items:  # an empty batch: nothing to run (a forward of none would fail)
             return []
+        drafting_masks = sum(s.grammar.seconds for s in seqs if s.grammar)
         trees = self.drafts.trees(seqs, [it.draft for it in items], budgets,
                                   [it.tree for it in items])
         start = time.perf_counter()
         masks = self._constrain(seqs, items, trees, budgets)
         constrained = any(m is not None for m in masks)
         self.grammar_seconds += (time.perf_counter() - start) if constrained else 0.0
+        self.grammar_seconds += sum(s.grammar.seconds for s in seqs if s.grammar) \
+            - drafting_masks  # the drafters' masks (drafted at the source)
         now = time.monotonic()
         for seq in seqs:
             seq.touched = now
@@ -466,9 +470,5 @@ def slot_len(config: EngineConfig) -> int:
 
 
 def eos_ids(model) -> list[int]:
-    eos = model.generation_config.eos_token_id if model.generation_config else None
-    if eos is None:
-        eos = model.config.eos_token_id
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+    return eos_list(model.generation_config.eos_token_id if model.generation_config else None,
+                    model.config)

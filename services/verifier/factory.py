@@ -3,8 +3,6 @@ pipeline-parallel ranks (``services.verifier.parallel``). Every engine is built 
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from services.verifier.engine import EngineConfig, VerifierEngine, eos_ids, slot_len
@@ -13,12 +11,10 @@ from services.verifier.parallel import Rendezvous, start_ranks
 from specinfer.drafting import OwnSource
 from specinfer.drafting.head import FeatureDrafter, HeadSource, load_head
 from specinfer.drafting.model_free import ModelFreeDrafter
-from specinfer.grammar import GrammarCompiler
-from specinfer.models import load_model, load_tokenizer
+from specinfer.grammar import compiler_for
+from specinfer.models import load_model
 from specinfer.placement import Placement
 from specinfer.runtime import LlamaRuntime
-
-log = logging.getLogger(__name__)
 
 
 def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
@@ -39,7 +35,7 @@ def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
         executor = start_ranks(llm, config, tp, pp, micro_batches, threads, placement, meet)
         return VerifierEngine(executor, config, llm, executor.eos_token_ids,
                               [drafter or ModelFreeDrafter()],
-                              grammar_compiler(llm, executor.vocab_size,
+                              compiler_for(llm, executor.vocab_size,
                                                executor.eos_token_ids))
     if threads:
         torch.set_num_threads(threads)
@@ -58,18 +54,6 @@ def build_engine(llm: str, config: EngineConfig, tp: int = 1, pp: int = 1,
             config.head_expansion, config.head_dynamic, config.head_nodes))
     executor = LocalExecutor(runtime)
     return VerifierEngine(executor, config, llm, eos_ids(model), sources,
-                          grammar_compiler(llm, executor.vocab_size, eos_ids(model)))
+                          compiler_for(llm, executor.vocab_size, eos_ids(model)))
 
 
-def grammar_compiler(llm: str, vocab_size: int, eos: list[int]) -> GrammarCompiler | None:
-    """Structured output's compiler for the LLM's tokenizer; None when the model has no
-    tokenizer (or no end-of-sequence token): constraints are then refused by name."""
-    try:
-        tokenizer = load_tokenizer(llm)
-    except (OSError, ValueError) as exc:
-        log.warning("no tokenizer: structured output is off", extra={"error": str(exc)[:200]})
-        return None
-    if not eos:
-        log.warning("no end-of-sequence token: structured output is off")
-        return None
-    return GrammarCompiler(tokenizer, vocab_size, eos)

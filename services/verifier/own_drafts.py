@@ -115,7 +115,8 @@ class OwnDrafts:
     def _request(seq: SequenceState, nodes: int, source: OwnSource) -> DraftRequest:
         return DraftRequest(seq.id, seq.tokens, params=seq.params, generator=seq.generator,
                             max_nodes=nodes, features=seq.features[: seq.cached]
-                            if source.needs_features else None)
+                            if source.needs_features else None,
+                            allowed=seq.grammar.allowed_after if seq.grammar else None)
 
     def forget(self, sequence_id: str) -> None:
         for source in self.by_name.values():

@@ -14,6 +14,7 @@ engine factory, and its name in the router's speculation modes; nothing else cha
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -38,6 +39,11 @@ class DraftRequest:
     # A feature drafter's input (``head.FeatureDrafter``): the LLM's features of every
     # context token but the root, ``[len(context) - 1, hidden]``.
     features: torch.Tensor | None = None
+    # A constrained sequence's grammar, for drafting at the source: the tokens it allows
+    # after the root and a path of draft tokens below it (bool per LLM token id). A drafter
+    # that takes it drafts only allowed tokens and records its distribution masked and
+    # renormalised as their proposals; None: no constraint.
+    allowed: Callable[[Sequence[int]], torch.Tensor] | None = None
 
 
 class Drafter(Protocol):

@@ -148,6 +148,19 @@ class SSMDrafter:
 
     # --- drafting ---------------------------------------------------------------------
 
+    def _masked(self, logits: torch.Tensor, tree: TokenTree, frontier: list[int],
+                req: DraftRequest) -> tuple[torch.Tensor, list[int]]:
+        """The frontier rows' logits with what the request's grammar forbids after each
+        node at -inf (columns mapped for a reduced vocabulary), without the rows where it
+        allows none of this drafter's tokens; and the frontier nodes kept."""
+        allowed = torch.stack([req.allowed(tree.path_tokens(u) if u != ROOT else [])
+                               for u in frontier])
+        if self.vocab_ids is not None:
+            allowed = allowed[:, self.vocab_ids]
+        keep = allowed.any(-1).nonzero().flatten()
+        logits = logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
+        return logits[keep.to(logits.device)], [frontier[i] for i in keep.tolist()]
+
     def _draft_probs(self, logits: torch.Tensor, req: DraftRequest) -> torch.Tensor:
         if req.params.greedy:
             return logits.float().softmax(-1)
@@ -208,8 +221,12 @@ class SSMDrafter:
                 if width <= 0:
                     continue
                 frontier = expand[b][: max(1, room // width)]
-                probs = self._draft_probs(torch.stack([logits_of[b][u] for u in frontier]),
-                                          req).cpu()  # drafts are sampled on the host
+                logits = torch.stack([logits_of[b][u] for u in frontier])
+                if req.allowed is not None:  # drafted from what the grammar allows
+                    logits, frontier = self._masked(logits, trees[b], frontier, req)
+                    if not frontier:
+                        continue
+                probs = self._draft_probs(logits, req).cpu()  # drafts are sampled on the host
                 before = len(trees[b])
                 expand_level(trees[b], frontier, probs, width, source=self.source,
                              sample=not req.params.greedy, replacement=True,

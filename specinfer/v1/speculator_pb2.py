@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specinfer.v1 import common_pb2 as specinfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecinfer/v1/speculator.proto\x12\x0cspecinfer.v1\x1a\x19specinfer/v1/common.proto\"U\n\nTreeConfig\x12\x11\n\texpansion\x18\x01 \x03(\r\x12\x11\n\tmax_nodes\x18\x02 \x01(\r\x12\x0f\n\x07\x64ynamic\x18\x03 \x01(\x08\x12\x10\n\x08ssm_only\x18\x04 \x01(\x08\"\x8d\x01\n\rSpeculateItem\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontext\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12&\n\x04tree\x18\x04 \x01(\x0b\x32\x18.specinfer.v1.TreeConfig\">\n\x10SpeculateRequest\x12*\n\x05items\x18\x01 \x03(\x0b\x32\x1b.specinfer.v1.SpeculateItem\"M\n\x0fSpeculateResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specinfer.v1.TokenTree\"C\n\x11SpeculateResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.specinfer.v1.SpeculateResult\"\x98\x01\n\nStreamItem\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\r\n\x05\x64\x65lta\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12&\n\x04tree\x18\x05 \x01(\x0b\x32\x18.specinfer.v1.TreeConfig\"\xe4\x01\n\x16SpeculateStreamRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.specinfer.v1.StreamItem\x12\x0f\n\x07release\x18\x03 \x03(\t\x12M\n\rtrace_context\x18\x04 \x03(\x0b\x32\x36.specinfer.v1.SpeculateStreamRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"W\n\x17SpeculateStreamResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12.\n\x07results\x18\x02 \x03(\x0b\x32\x1d.specinfer.v1.SpeculateResult2\xbe\x01\n\nSpeculator\x12L\n\tSpeculate\x12\x1e.specinfer.v1.SpeculateRequest\x1a\x1f.specinfer.v1.SpeculateResponse\x12\x62\n\x0fSpeculateStream\x12$.specinfer.v1.SpeculateStreamRequest\x1a%.specinfer.v1.SpeculateStreamResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecinfer/v1/speculator.proto\x12\x0cspecinfer.v1\x1a\x19specinfer/v1/common.proto\"U\n\nTreeConfig\x12\x11\n\texpansion\x18\x01 \x03(\r\x12\x11\n\tmax_nodes\x18\x02 \x01(\r\x12\x0f\n\x07\x64ynamic\x18\x03 \x01(\x08\x12\x10\n\x08ssm_only\x18\x04 \x01(\x08\"\xd2\x01\n\rSpeculateItem\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontext\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12&\n\x04tree\x18\x04 \x01(\x0b\x32\x18.specinfer.v1.TreeConfig\x12,\n\nconstraint\x18\x05 \x01(\x0b\x32\x18.specinfer.v1.Constraint\x12\x15\n\rprompt_length\x18\x06 \x01(\r\">\n\x10SpeculateRequest\x12*\n\x05items\x18\x01 \x03(\x0b\x32\x1b.specinfer.v1.SpeculateItem\"M\n\x0fSpeculateResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specinfer.v1.TokenTree\"C\n\x11SpeculateResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.specinfer.v1.SpeculateResult\"\xdd\x01\n\nStreamItem\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\r\n\x05\x64\x65lta\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12&\n\x04tree\x18\x05 \x01(\x0b\x32\x18.specinfer.v1.TreeConfig\x12,\n\nconstraint\x18\x06 \x01(\x0b\x32\x18.specinfer.v1.Constraint\x12\x15\n\rprompt_length\x18\x07 \x01(\r\"\xe4\x01\n\x16SpeculateStreamRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.specinfer.v1.StreamItem\x12\x0f\n\x07release\x18\x03 \x03(\t\x12M\n\rtrace_context\x18\x04 \x03(\x0b\x32\x36.specinfer.v1.SpeculateStreamRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"W\n\x17SpeculateStreamResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12.\n\x07results\x18\x02 \x03(\x0b\x32\x1d.specinfer.v1.SpeculateResult2\xbe\x01\n\nSpeculator\x12L\n\tSpeculate\x12\x1e.specinfer.v1.SpeculateRequest\x1a\x1f.specinfer.v1.SpeculateResponse\x12\x62\n\x0fSpeculateStream\x12$.specinfer.v1.SpeculateStreamRequest\x1a%.specinfer.v1.SpeculateStreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,21 +37,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TREECONFIG']._serialized_start=74
   _globals['_TREECONFIG']._serialized_end=159
   _globals['_SPECULATEITEM']._serialized_start=162
-  _globals['_SPECULATEITEM']._serialized_end=303
-  _globals['_SPECULATEREQUEST']._serialized_start=305
-  _globals['_SPECULATEREQUEST']._serialized_end=367
-  _globals['_SPECULATERESULT']._serialized_start=369
-  _globals['_SPECULATERESULT']._serialized_end=446
-  _globals['_SPECULATERESPONSE']._serialized_start=448
-  _globals['_SPECULATERESPONSE']._serialized_end=515
-  _globals['_STREAMITEM']._serialized_start=518
-  _globals['_STREAMITEM']._serialized_end=670
-  _globals['_SPECULATESTREAMREQUEST']._serialized_start=673
-  _globals['_SPECULATESTREAMREQUEST']._serialized_end=901
-  _globals['_SPECULATESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_start=850
-  _globals['_SPECULATESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_end=901
-  _globals['_SPECULATESTREAMRESPONSE']._serialized_start=903
-  _globals['_SPECULATESTREAMRESPONSE']._serialized_end=990
-  _globals['_SPECULATOR']._serialized_start=993
-  _globals['_SPECULATOR']._serialized_end=1183
+  _globals['_SPECULATEITEM']._serialized_end=372
+  _globals['_SPECULATEREQUEST']._serialized_start=374
+  _globals['_SPECULATEREQUEST']._serialized_end=436
+  _globals['_SPECULATERESULT']._serialized_start=438
+  _globals['_SPECULATERESULT']._serialized_end=515
+  _globals['_SPECULATERESPONSE']._serialized_start=517
+  _globals['_SPECULATERESPONSE']._serialized_end=584
+  _globals['_STREAMITEM']._serialized_start=587
+  _globals['_STREAMITEM']._serialized_end=808
+  _globals['_SPECULATESTREAMREQUEST']._serialized_start=811
+  _globals['_SPECULATESTREAMREQUEST']._serialized_end=1039
+  _globals['_SPECULATESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_start=988
+  _globals['_SPECULATESTREAMREQUEST_TRACECONTEXTENTRY']._serialized_end=1039
+  _globals['_SPECULATESTREAMRESPONSE']._serialized_start=1041
+  _globals['_SPECULATESTREAMRESPONSE']._serialized_end=1128
+  _globals['_SPECULATOR']._serialized_start=1131
+  _globals['_SPECULATOR']._serialized_end=1321
 # @@protoc_insertion_point(module_scope)

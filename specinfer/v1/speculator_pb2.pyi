@@ -20,16 +20,20 @@ class TreeConfig(_message.Message):
     def __init__(self, expansion: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., dynamic: _Optional[bool] = ..., ssm_only: _Optional[bool] = ...) -> None: ...
 
 class SpeculateItem(_message.Message):
-    __slots__ = ("sequence_id", "context", "sampling", "tree")
+    __slots__ = ("sequence_id", "context", "sampling", "tree", "constraint", "prompt_length")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     context: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     tree: TreeConfig
-    def __init__(self, sequence_id: _Optional[str] = ..., context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[TreeConfig, _Mapping]] = ...) -> None: ...
+    constraint: _common_pb2.Constraint
+    prompt_length: int
+    def __init__(self, sequence_id: _Optional[str] = ..., context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[TreeConfig, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., prompt_length: _Optional[int] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("items",)
@@ -52,18 +56,22 @@ class SpeculateResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[SpeculateResult, _Mapping]]] = ...) -> None: ...
 
 class StreamItem(_message.Message):
-    __slots__ = ("sequence_id", "offset", "delta", "sampling", "tree")
+    __slots__ = ("sequence_id", "offset", "delta", "sampling", "tree", "constraint", "prompt_length")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     offset: int
     delta: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     tree: TreeConfig
-    def __init__(self, sequence_id: _Optional[str] = ..., offset: _Optional[int] = ..., delta: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[TreeConfig, _Mapping]] = ...) -> None: ...
+    constraint: _common_pb2.Constraint
+    prompt_length: int
+    def __init__(self, sequence_id: _Optional[str] = ..., offset: _Optional[int] = ..., delta: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[TreeConfig, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., prompt_length: _Optional[int] = ...) -> None: ...
 
 class SpeculateStreamRequest(_message.Message):
     __slots__ = ("step", "items", "release", "trace_context")
