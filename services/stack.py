@@ -67,12 +67,17 @@ class UpConfig(Flags):
                                     help="the speculator's static tree")
     draft_head: str = forward(VerifierConfig, "draft_head", help="the verifiers' draft head: "
                               "auto, none or a directory (see serve verifier)")
+    no_prefix_caching: bool = forward(VerifierConfig, "no_prefix_caching",
+                                      help="turn off the verifiers' automatic prefix caching")
+    prefill_chunk: int = forward(VerifierConfig, "prefill_chunk",
+                                 help="prompt tokens a verifier computes between two steps")
     datastore: str = forward(VerifierConfig, "datastore", to=MODEL_SERVICES,
                              help="the speculators' and verifiers' corpus drafts: auto, none "
                              "or a saved .npz")
     speculation: str = forward(RouterConfig, "speculation")
     chat_template: str = forward(RouterConfig, "chat_template")
     spec_max_batch: int = forward(RouterConfig, "spec_max_batch")
+    routing: str = forward(RouterConfig, "routing")
     speculate_timeout: float | None = forward(
         RouterConfig, "speculate_timeout", default=None,
         help="the router's budget for one Speculate call (see serve router)")

@@ -174,6 +174,8 @@ class Completion:
     # With tools: the calls the answer made (finish_reason "tool_calls"); text is then
     # what it said before them.
     tool_calls: list[ToolCall] = field(default_factory=list)
+    # Prompt tokens whose KV the verifier had cached (prefix caching), of prompt_tokens.
+    cached_prompt_tokens: int = 0
 
 
 @dataclass
@@ -184,12 +186,15 @@ class Chunk:
     stats: Stats | None = None  # on the last chunk
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)  # whole, in one chunk
+    # On the last chunk: the prompt's tokens, and those whose KV was cached.
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
 
 def _chunk(msg) -> Chunk:
     return Chunk(msg.text, list(msg.token_ids), msg.finish_reason,
                  Stats.of(msg.stats) if msg.finish_reason else None, list(msg.logprobs),
-                 _tool_calls(msg))
+                 _tool_calls(msg), msg.usage.prompt_tokens, msg.usage.cached_prompt_tokens)
 
 
 def build_request(prompt: str | None = None, *, messages: list[dict] | None = None,
@@ -206,7 +211,8 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
                   regex: str | None = None, choice: list[str] | None = None,
                   grammar: str | None = None, tools: list[dict] | None = None,
                   tool_choice: str | dict | None = None,
-                  parallel_tool_calls: bool | None = None) -> router_pb2.GenerateRequest:
+                  parallel_tool_calls: bool | None = None,
+                  cache_salt: str = "") -> router_pb2.GenerateRequest:
     """``messages``: OpenAI chat messages (an assistant turn's ``tool_calls`` and a tool
     turn's ``tool_call_id`` included). ``tools``: OpenAI's function tools (``{"type":
     "function", "function": {"name", "description", "parameters"}}``); ``tool_choice``
@@ -220,7 +226,8 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
     ``min_tokens``: no end-of-sequence or stop token id before this many tokens (vLLM's).
     ``logit_bias`` (token id -> bias, clamped to +-100), ``presence_penalty`` and
     ``frequency_penalty`` ([-2, 2], over the generated text) as OpenAI's,
-    ``repetition_penalty`` (> 0, over prompt and generated text) as vLLM's."""
+    ``repetition_penalty`` (> 0, over prompt and generated text) as vLLM's.
+    ``cache_salt``: the prompt shares cached KV only with requests of the same salt."""
     sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p,
                                          logit_bias=logit_bias or {},
                                          presence_penalty=presence_penalty,
@@ -237,7 +244,8 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
     req = router_pb2.GenerateRequest(max_tokens=max_tokens, stop=stop or [],
                                      stop_token_ids=stop_token_ids or [], sampling=sampling,
                                      speculation=speculation, session_id=session_id,
-                                     model=model, ignore_eos=ignore_eos)
+                                     model=model, ignore_eos=ignore_eos,
+                                     cache_salt=cache_salt)
     constraint = _constraint(json_schema, json_object, regex, choice, grammar)
     if constraint is not None:
         req.constraint.CopyFrom(constraint)
@@ -292,7 +300,7 @@ def _completion(resp: router_pb2.GenerateResponse) -> Completion:
     return Completion(resp.text, list(resp.token_ids), resp.finish_reason,
                       resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.stats.steps,
                       list(resp.stats.accepted_per_step), resp.dtype, Stats.of(resp.stats),
-                      list(resp.logprobs), _tool_calls(resp))
+                      list(resp.logprobs), _tool_calls(resp), resp.usage.cached_prompt_tokens)
 
 
 class Client:

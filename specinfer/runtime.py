@@ -50,6 +50,12 @@ class KVCache:
         self.k[:, slot, d] = self.k[:, slot, s]
         self.v[:, slot, d] = self.v[:, slot, s]
 
+    def copy(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Positions ``[0, length)`` of ``src_slot`` into ``dst_slot``, every layer (a
+        cached prefix reused by another sequence)."""
+        self.k[:, dst_slot, :length] = self.k[:, src_slot, :length]
+        self.v[:, dst_slot, :length] = self.v[:, src_slot, :length]
+
 
 class Projections:
     """One layer's linears as this runtime calls them: q/k/v and gate/up each as one matrix

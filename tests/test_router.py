@@ -386,3 +386,29 @@ def test_logit_bias_penalties_and_a_tiny_temperature_are_honoured(stack, referen
             {"prompt": prompt, "max_tokens": max_tokens, **body}).encode())
         assert status == 200, payload
         assert payload["choices"][0]["text"] == want, body
+
+
+def test_requests_sharing_a_prefix_go_to_the_verifier_that_caches_it(stack):
+    """Four shared prefixes (a "system prompt" each), three questions on each, one at a
+    time over two verifiers: every question after a prefix's first reuses its cached KV
+    (with load alone, half would land on the other verifier and miss), in the gRPC usage
+    and the OpenAI usage's prompt_tokens_details; the same output as with a cold cache."""
+    systems = [" ".join(f"{w}{k}" for k in range(40)) for w in ("alpha", "beta", "gamma",
+                                                                  "delta")]
+    with Client(stack["addr"]) as c:
+        for i, system in enumerate(systems):
+            first = c.generate(f"{system} Question 0?", max_tokens=4, cache_salt=f"t{i}")
+            assert first.cached_prompt_tokens == 0  # its own salt: nothing cached yet
+            for q in (1, 2):
+                out = c.generate(f"{system} Question {q}?", max_tokens=4, cache_salt=f"t{i}")
+                assert out.cached_prompt_tokens >= 64, (i, q, out.cached_prompt_tokens)
+                cold = c.generate(f"{system} Question {q}?", max_tokens=4,
+                                  cache_salt=f"cold-{i}-{q}")
+                assert cold.cached_prompt_tokens == 0 and cold.token_ids == out.token_ids
+        status, body = http_post(stack["http"] + "/v1/completions", json.dumps({
+            "prompt": f"{systems[0]} Question 3?", "max_tokens": 2,
+            "cache_salt": "t0"}).encode())
+    assert status == 200
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+    assert body["usage"]["prompt_tokens"] > body["usage"]["prompt_tokens_details"][
+        "cached_tokens"]

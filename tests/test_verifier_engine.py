@@ -325,3 +325,29 @@ def test_a_sent_tree_with_a_draft_plan_is_merged_with_the_verifiers_drafts(engin
         assert {d.source for node in merged.drafts[:2] for d in node} >= {own}
     finally:
         engine.release(["m"])
+
+
+def test_a_prefill_in_chunks_interleaves_with_steps_and_changes_nothing(engine, greedy):
+    """A long prompt computed a chunk at a time, steps of a live sequence in between: both
+    outputs are what they are alone; a job aborted midway frees its slots."""
+    engine.config = dataclasses.replace(engine.config, prefill_chunk=16)
+    live = engine.prefill([PrefillSpec("live", [3, 1, 4, 1, 5])])[0]
+    long_prompt = [(5 * i) % 97 + 2 for i in range(90)]
+    job = engine.begin_prefill([PrefillSpec("long", long_prompt),
+                                PrefillSpec("short", [2, 7, 1])])
+    tokens, root, chunks = [live.token], live.token, 0
+    while not engine.advance_prefill(job):
+        chunks += 1
+        root = engine.step([StepItem("live", root)])[0].tokens[-1]
+        tokens.append(root)
+    assert chunks == 90 // 16  # 16 tokens a call: the long prompt took 6 calls
+    first = {o.sequence_id: o.token for o in job.outs}
+    assert first["long"] == greedy(long_prompt, 1)[0]
+    assert first["short"] == greedy([2, 7, 1], 1)[0]
+    assert tokens == greedy([3, 1, 4, 1, 5], len(tokens))
+    free = len(engine.free_slots) + len(engine.kept)
+    job = engine.begin_prefill([PrefillSpec("gone", long_prompt)])
+    engine.advance_prefill(job)
+    engine.abort_prefill(job)
+    assert len(engine.free_slots) + len(engine.kept) == free and "gone" not in engine.sequences
+    assert engine.prefill([PrefillSpec("gone", [1, 2])])[0].sequence_id == "gone"

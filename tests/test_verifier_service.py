@@ -98,6 +98,25 @@ def forward_passes(port: int) -> float:
                if k.startswith("specinfer:verifier_forward_passes_total"))
 
 
+def test_a_long_prefill_does_not_stall_the_steps_of_live_sequences(tiny_llama):
+    """A 1,500-token prompt computed 32 tokens at a time: Step calls of a live sequence,
+    sent after the Prefill, are answered while it is under way (between its chunks)."""
+    with service("verifier", "--llm", tiny_llama, "--max-context", "2048", "--slots", "2",
+                 "--prefill-chunk", "32") as (addr, _), grpc.insecure_channel(addr) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        root = prefill(stub, "live", [1, 2, 3]).token
+        long = verifier_pb2.PrefillRequest(items=[verifier_pb2.PrefillItem(
+            sequence_id="long", token_ids=[(7 * i) % 120 + 1 for i in range(1500)])])
+        pending = stub.Prefill.future(long, timeout=60)
+        during = 0
+        while not pending.done():
+            root = step(stub, verifier_pb2.StepItem(sequence_id="live",
+                                                    root_token=root))[0].tokens[-1]
+            during += not pending.done()
+        assert pending.result().results[0].sequence_id == "long"
+        assert during >= 3, during
+
+
 def test_health_and_reflection(verifier):
     _, channel, _ = verifier
     health = health_pb2_grpc.HealthStub(channel)

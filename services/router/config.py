@@ -35,6 +35,13 @@ class RouterConfig(Flags):
     port: int = flag(50051)
     http_port: int = flag(8000, "OpenAI API port (0 = off)")
     max_waiting: int = flag(64, "queued requests at most")
+    routing: str = flag("prefix", "a new sequence's verifier (sessions stay on theirs): "
+                        "prefix (where its prompt's prefix is cached, weighed against load) "
+                        "or load (the least loaded)", choices=("prefix", "load"))
+    prefix_load_margin: float = flag(0.25, "a new sequence goes to the verifier caching the "
+                                     "longest prefix of its prompt unless that one's load "
+                                     "(live sequences over capacity) exceeds the least "
+                                     "loaded one's by more than this", minimum=0)
     queue_timeout: float = flag(60.0, "seconds a request may wait for verifier capacity before "
                                 "it is turned away (RESOURCE_EXHAUSTED / HTTP 429 with "
                                 "Retry-After); keep it above the verifiers' --sequence-lease "

@@ -284,7 +284,8 @@ def request_from_proto(msg: router_pb2.GenerateRequest, fe: Frontend) -> GenRequ
                       stop=[s for s in msg.stop if s], stop_ids=set(msg.stop_token_ids),
                       session_id=msg.session_id, ignore_eos=ignore_eos,
                       operation="chat" if kind == "chat" else "text_completion",
-                      constraint=constraint, tools=tools)
+                      constraint=constraint, tools=tools,
+                      cache_salt=cache_salt(msg.cache_salt))
 
 
 def _message(m: router_pb2.ChatMessage) -> dict:
@@ -327,6 +328,20 @@ class Generation:
             yield new, delta, self.req.logprobs[start:self.sent_tokens]
             if final:
                 return
+
+
+MAX_SALT = 256  # characters of a cache_salt
+
+
+def cache_salt(salt: object, field: str = "cache_salt") -> str:
+    """vLLM's ``cache_salt`` (a string of at most MAX_SALT characters; empty: none)."""
+    if salt is None:
+        return ""
+    if not isinstance(salt, str):
+        raise InvalidArgument(field, "must be a string")
+    if len(salt) > MAX_SALT:
+        raise InvalidArgument(field, f"{len(salt)} characters; at most {MAX_SALT}")
+    return check_unicode(field, salt)
 
 
 def check_unicode(field: str, text: str) -> str:

@@ -97,6 +97,7 @@ class RequestLifecycle:
     async def finish(self, req: GenRequest, reason: str) -> None:
         replica = self.leave(req)
         if replica is not None:
+            replica.prefixes.learn(req.history, req.cache_salt)  # it keeps them (caching)
             with tracing.within(req.span):  # the Release call joins the request's trace
                 await self.replicas.release(replica, [req.id],
                                             keep_for_session=bool(req.session_id))

@@ -66,7 +66,13 @@ class RouterMetrics:
         self.request_generation = histogram("request_generation_tokens",
                                             "Generated tokens per finished request.",
                                             TOKEN_BUCKETS).labels(**m)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.").labels(**m)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests "
+                                     "(cached or not).").labels(**m)
+        # vLLM's prefix-cache counters (tokens), summed over the verifiers' prefills.
+        self.prefix_queries = counter("prefix_cache_queries", "Tokens prefilled, looked up "
+                                      "in the verifiers' prefix caches.").labels(**m)
+        self.prefix_hits = counter("prefix_cache_hits", "Tokens prefilled whose KV a "
+                                   "verifier's prefix cache held.").labels(**m)
         self.generation_tokens = counter("generation_tokens",
                                          "Tokens generated (streamed to clients).").labels(**m)
         self.success = counter("request_success", "Requests ended, by finish reason (stop, "
@@ -121,7 +127,10 @@ class RouterMetrics:
                 kind = "tools" if req.tools is not None else req.constraint.kind
                 self.structured.labels(kind=kind, **self._labels).inc()
 
-    def prefilled(self, req: GenRequest) -> None:
+    def prefilled(self, req: GenRequest, tokens: int, cached: int) -> None:
+        """A prefill of ``tokens`` tokens (a re-prefill's too), ``cached`` of them reused."""
+        self.prefix_queries.inc(tokens)
+        self.prefix_hits.inc(cached)
         if not req.prompt_counted:
             req.prompt_counted = True
             self.prompt_tokens.inc(len(req.prompt_ids))

@@ -276,8 +276,10 @@ class OpenAIApi:
         prompt = sum(len(g.req.prompt_ids) for g in gens[::n])
         completion = sum(len(g.req.generated) for g in gens)
         steps = [s for g in gens for s in g.req.accepted_per_step]
+        cached = sum(g.req.reused_tokens for g in gens[::n])
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached},
                 "speculation": {"steps": len(steps), "accepted_per_step": steps}}
 
 

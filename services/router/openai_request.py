@@ -8,7 +8,7 @@ import dataclasses
 import json
 import math
 
-from services.router.frontend import MAX_TOKENS_LIMIT, Frontend, check_unicode
+from services.router.frontend import MAX_TOKENS_LIMIT, Frontend, cache_salt, check_unicode
 from services.router.limits import Limits
 from services.router.request import GenRequest
 from services.router.tools import Tools, tools_from_body
@@ -172,6 +172,7 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
                                 ignore_eos, "min_tokens")
     max_tokens = _max_tokens(body, None if chat else 16, fe.limits)
     speculation, session = _flag(body, "speculation") is not False, _user(body)
+    salt = cache_salt(body.get("cache_salt"))
     stop = [s for s in stop if s]  # "" would stop before the first token (gRPC drops it too)
     out = []
     for ids in prompts:
@@ -181,7 +182,8 @@ def openai_requests(fe: Frontend, body: dict, chat: bool) -> list[GenRequest]:
             out.append(GenRequest(ids, max_tokens, p, speculation=speculation, stop=stop,
                                   stop_ids=stop_ids, ignore_eos=ignore_eos,
                                   session_id=session, constraint=constraint, tools=tools,
-                                  operation="chat" if chat else "text_completion"))
+                                  operation="chat" if chat else "text_completion",
+                                  cache_salt=salt))
     return out
 
 

@@ -146,6 +146,9 @@ def _common_properties(model_name: str, vocab_size: int, limits: Limits) -> dict
                                   "decodes one token per step (default true)."}),
         "user": _nullable({"type": "string", "description": "Keeps a conversation on the "
                            "verifier holding its KV cache."}),
+        "cache_salt": _nullable({"type": "string", "maxLength": 256, "description": "vLLM's: "
+                                 "the prompt shares cached KV (prefix caching) only with "
+                                 "requests of the same salt."}),
         "ignore_eos": _nullable({"type": "boolean", "description": "vLLM's: generate past "
                                  "the end-of-sequence token (default false)."}),
         "stop_token_ids": _nullable({"type": "array", "items": {

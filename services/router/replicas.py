@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.router.metrics import RouterMetrics
+from services.router.prefix_routing import ReplicaPrefixes, choose
 from services.router.request import GenRequest, Replica
 from specinfer.channels import internal_channel
 from specinfer.tls import TlsConfig
@@ -34,8 +35,10 @@ log = logging.getLogger(__name__)
 
 class ReplicaSet:
     def __init__(self, addresses: list[str], metrics: RouterMetrics,
-                 probe_every_s: float = 1.0, tls: TlsConfig | None = None) -> None:
+                 probe_every_s: float = 1.0, tls: TlsConfig | None = None,
+                 prefix_load_margin: float | None = 0.25) -> None:
         self.metrics = metrics
+        self.prefix_load_margin = prefix_load_margin  # None: by load alone
         self.tls = tls
         # A down replica's sequences wait for it (the only one, or all down): an Info call a
         # second is cheap, and they resume within a second of it being back.
@@ -123,6 +126,9 @@ class ReplicaSet:
                 await asyncio.sleep(30.0)
                 continue
             replica.capacity = max(1, info.kv_capacity_tokens // max(1, info.max_context))
+            replica.prefixes = ReplicaPrefixes(  # empty: a (re)joined replica holds none
+                info.prefix_block_size,
+                info.kv_capacity_tokens // max(1, info.prefix_block_size))
             replica.max_tree_nodes, replica.max_context = info.max_tree_nodes, info.max_context
             replica.draft_sources = frozenset(s.name for s in info.draft_sources)
             replica.joined = True
@@ -174,18 +180,28 @@ class ReplicaSet:
         return bool(usable) and all(r.has_sources(names) for r in usable)
 
     def pick(self, req: GenRequest) -> Replica | None:
-        """Consistent hashing on the session (or request) id, falling back to the least
-        loaded usable replica with room."""
-        usable = [r for r in self.by_address.values() if r.usable]
-        if not usable:
+        """A usable replica with room for a new sequence: a session's by consistent hashing
+        on its id (where its KV is), falling back to the least loaded; any other by prefix
+        and load (``prefix_routing.choose``). Records the choice on the request (and its
+        span), and that the replica now holds the prompt's prefix."""
+        room = [r for r in self.by_address.values() if r.usable and r.live < r.capacity]
+        if not room:
             return None
-        key = req.session_id or req.id
-        ranked = sorted(usable, key=lambda r: hashlib.sha256(
-            f"{key}|{r.address}".encode()).digest())
-        for r in ranked[:1] + sorted(ranked[1:], key=lambda r: r.live / r.capacity):
-            if r.live < r.capacity:
-                return r
-        return None
+        if req.session_id:
+            home = min((r for r in self.by_address.values() if r.usable),
+                       key=lambda r: hashlib.sha256(f"{req.session_id}|{r.address}".encode())
+                       .digest())
+            replica = home if home in room else min(room, key=lambda r: r.live / r.capacity)
+            req.routing, held = "session", 0
+        else:
+            replica, req.routing, held = choose(room, req.history, req.cache_salt, req.id,
+                                                self.prefix_load_margin)
+        if req.span.is_recording():
+            req.span.set_attributes({"specinfer.routing": req.routing,
+                                     "specinfer.routing_prefix_tokens": held,
+                                     "specinfer.replica": replica.address})
+        replica.prefixes.learn(req.history, req.cache_salt)
+        return replica
 
     def should_move(self, replica: Replica) -> bool:
         """Whether sequences on ``replica`` should move now: it left, or it drains and
@@ -244,6 +260,7 @@ class ReplicaSet:
                                               timeout=5)
                     replica.stale.difference_update(stale)
                 replica.healthy, replica.live = True, 0
+                replica.prefixes.clear()  # it may have restarted: an empty cache
                 log.info("verifier replica back", extra={"replica": replica.address})
                 self.on_change()
             except grpc.aio.AioRpcError:

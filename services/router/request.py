@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.trace import INVALID_SPAN, Span
 
+from services.router.prefix_routing import ReplicaPrefixes
 from services.router.tools import Tools
 from specinfer.constraints import Constraint
 from specinfer.sampling import SamplingParams, TokenLogprob
@@ -35,6 +36,8 @@ class Replica:
     max_tree_nodes: int = 64
     max_context: int = 2048
     draft_sources: frozenset[str] = frozenset()  # Info.draft_sources' names
+    # The prefixes the router believes it caches (prefix_routing.py).
+    prefixes: ReplicaPrefixes = field(default_factory=ReplicaPrefixes)
     # Sequences a failed call left behind there, released before it is used again.
     stale: set[str] = field(default_factory=set)
 
@@ -60,6 +63,8 @@ class GenRequest:
     constraint: Constraint | None = None  # structured output (EOS always ends it then)
     tools: Tools | None = None  # chat tools: the answer is parsed for calls
     session_id: str = ""
+    cache_salt: str = ""  # prefix caching: shares cached KV only with the same salt
+    routing: str = ""  # why its replica was chosen: session, prefix or load
     operation: str = "text_completion"  # or "chat" (OpenTelemetry's gen_ai.operation.name)
     id: str = field(default_factory=lambda: f"r{next(_ids)}-{time.monotonic_ns() % 10**9}")
     # Filled in by the scheduler.

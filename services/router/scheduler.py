@@ -1,7 +1,9 @@
 """The router's step loop (iteration-level scheduling).
 
 One loop drives every decoding step of every live sequence, top to bottom in ``_step``:
-admit (new requests are prefilled and join the running batch), plan (the policy picks a
+admit (new requests' Prefill calls start; they join the running batch when they answer,
+while the batch keeps stepping: a verifier computes a long prompt a chunk at a time
+between steps), plan (the policy picks a
 speculation mode and ``plan_step`` turns it into each sequence's ``StepPlan``: plain, the
 speculator's tree, the verifier's own drafts, or both), draft (the speculator pool's trees
 for the plans that ask for them), step (one ``Step`` call per verifier replica, replicas in
@@ -55,7 +57,9 @@ class Scheduler:
                  metrics: RouterMetrics | None = None, tls: TlsConfig | None = None,
                  step_timeout_s: float = 60.0, budgets: Budgets | None = None) -> None:
         self.metrics = metrics if metrics is not None else RouterMetrics()
-        self.replicas = ReplicaSet(verifiers or [], self.metrics, tls=tls)
+        self.replicas = ReplicaSet(verifiers or [], self.metrics, tls=tls,
+                                   prefix_load_margin=config.prefix_load_margin
+                                   if config.routing == "prefix" else None)
         self.speculators = SpeculatorPool(speculators or [], self.metrics,
                                           timeout_s=config.speculate_timeout,
                                           step_timeout_s=step_timeout_s, tls=tls,
@@ -79,6 +83,7 @@ class Scheduler:
         self.prefetched: dict[str, tuple[int, StepPlan, common_pb2.TokenTree]] = {}
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
+        self.admitting: set[asyncio.Task] = set()  # Prefill calls under way
         self.step_mode = "plain"  # the running step's speculation mode, for its spans
         self.metrics.watch_queues(lambda: len(self.running), lambda: len(self.waiting))
         self.replicas.on_change = self.wake.set  # sequences may move (_move_off_leaving)
@@ -100,6 +105,8 @@ class Scheduler:
     async def close(self) -> None:
         if self.task:
             self.task.cancel()
+        for task in list(self.admitting):
+            task.cancel()
         # Free this router's KV slots now, not a lease later (a draining verifier waits
         # for them).
         held: dict[str, list[GenRequest]] = {}
@@ -208,7 +215,24 @@ class Scheduler:
             budget -= len(req.history)
             by_replica.setdefault(replica.address, []).append(req)
         self.waiting[:] = still
-        await asyncio.gather(*(self._prefill(reqs) for reqs in by_replica.values()))
+        for reqs in by_replica.values():  # not awaited: running sequences keep stepping
+            task = asyncio.create_task(self._admitting(reqs))
+            self.admitting.add(task)
+            task.add_done_callback(self.admitting.discard)
+
+    async def _admitting(self, reqs: list[GenRequest]) -> None:
+        """A Prefill call under way while the running batch steps (the verifier computes
+        long prompts a chunk at a time between the steps); its sequences join the batch
+        when it answers."""
+        try:
+            await self._prefill(reqs)
+        except Exception:  # never lose the requests: they fail, loudly
+            log.exception("prefill failed")
+            for r in reqs:
+                if r not in self.running and not r.ended:
+                    self.lifecycle.fail(r, ServiceError("prefill failed"))
+        finally:
+            self.wake.set()
 
     async def _prefill(self, reqs: list[GenRequest]) -> None:
         replica = reqs[0].replica
@@ -218,6 +242,7 @@ class Scheduler:
                 items.append(verifier_pb2.PrefillItem(
                     sequence_id=r.id, token_ids=r.history, sampling=sampling_to_proto(r.params),
                     session_id=r.session_id, prompt_length=len(r.prompt_ids),
+                    cache_salt=r.cache_salt,
                     constraint=constraint_to_proto(r.constraint)))
                 ok.append(r)
             except (ValueError, TypeError) as exc:  # fails alone, never blocks the queue
@@ -261,7 +286,7 @@ class Scheduler:
             r.reused_tokens = res.reused_tokens
             if not r.first_token_at:
                 r.first_token_at = time.monotonic()
-            self.metrics.prefilled(r)
+            self.metrics.prefilled(r, len(r.history), res.reused_tokens)
             self.running.append(r)
             await self.lifecycle.emit(r, [res.token],
                                       [res.logprob] if res.HasField("logprob") else [],

@@ -37,7 +37,14 @@ class VerifierConfig(Flags):
     max_context: int = flag(2048)
     slots: int = flag(8, "sequences held in the KV cache at once")
     max_tree_nodes: int = flag(64)
-    prefill_chunk: int = flag(256)
+    prefill_chunk: int = flag(256, "prompt tokens computed per engine call: a long prompt is "
+                              "prefilled a chunk at a time, the steps of live sequences in "
+                              "between", minimum=1)
+    no_prefix_caching: bool = flag(False, "turn off automatic prefix caching (finished "
+                                   "sequences' KV kept and reused by prompts that share "
+                                   "a prefix with it)")
+    block_size: int = flag(16, "prefix caching's block: prompts share cached KV in whole "
+                           "blocks of this many tokens", minimum=1)
     threads: int = flag(0, "torch threads per rank (0 = auto)")
     placement: PlacementFlags = group(PlacementFlags)
     datastore: str = flag("auto", "corpus drafts for Step items whose plan has the verifier "

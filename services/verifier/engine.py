@@ -21,6 +21,7 @@ import torch
 
 from services.verifier.executor import Executor, ForwardArgs
 from services.verifier.own_drafts import OwnDrafts
+from services.verifier.prefix_cache import PrefixIndex
 from services.verifier.sequence import EngineConfig, SequenceState, SessionEntry
 from specinfer.constraints import Constraint, InvalidConstraint
 from specinfer.drafting import DraftPlan, OwnSource
@@ -55,14 +56,36 @@ class PrefillSpec:
     session_id: str = ""
     prompt_length: int | None = None  # None: all of token_ids (else the rest was generated)
     constraint: Constraint | None = None  # structured output
+    cache_salt: str = ""  # prefixes are reused only between sequences with the same salt
 
 
 @dataclass
 class PrefillOut:
     sequence_id: str
     token: int
-    reused_tokens: int
+    reused_tokens: int  # prompt tokens whose KV was cached already (not computed)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # [] unless asked for
+
+
+@dataclass
+class PendingPrefill:
+    """One sequence of a Prefill call under way: its slot once taken, and how many of
+    its prompt's tokens are in the cache (reused or computed)."""
+
+    spec: PrefillSpec
+    grammar: SequenceGrammar | None
+    slot: int | None = None
+    done: int = 0
+    reused: int = 0
+    features: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # after the last token computed
+    out: PrefillOut | None = None
+
+
+@dataclass
+class PrefillJob:
+    items: list[PendingPrefill]
+    outs: list[PrefillOut] = field(default_factory=list)
 
 
 @dataclass
@@ -115,8 +138,17 @@ class VerifierEngine:
         self.eos_token_ids = eos_token_ids or []
         self.sequences: dict[str, SequenceState] = {}
         self.last_touched = time.monotonic()  # the last Prefill or Step (read from any thread)
-        self.sessions: OrderedDict[str, SessionEntry] = OrderedDict()  # LRU order
+        # Finished sequences' slots kept for their prefixes (by session id, else by
+        # sequence id), LRU order: taken back when a slot is needed.
+        self.kept: OrderedDict[str, SessionEntry] = OrderedDict()
         self.free_slots = list(range(config.slots))[::-1]
+        # Prefill calls under way (begin_prefill ... advance_prefill): their sequence ids,
+        # and the slots they will take (counted against admission).
+        self.prefilling: set[str] = set()
+        self.reserved = 0
+        # Automatic prefix caching (prefix_cache.py); None: off (sessions still reuse).
+        self.prefixes = PrefixIndex(config.block_size, f"{model_name}|{executor.dtype}") \
+            if config.prefix_caching else None
 
     # --- capacity -------------------------------------------------------------------
 
@@ -126,26 +158,71 @@ class VerifierEngine:
 
     @property
     def used_tokens(self) -> int:
-        live = sum(s.cached + 1 for s in self.sequences.values())
-        return live + sum(len(e.tokens) for e in self.sessions.values())
+        """Tokens live sequences hold. Kept prefixes are not counted: they give their
+        slots to new sequences first (``cached_tokens``)."""
+        return sum(s.cached + 1 for s in self.sequences.values())
 
-    def _take_slot(self, session_id: str) -> tuple[int, list[int], torch.Tensor | None]:
-        """A slot for a new sequence: its session's kept slot, a free one, or the least
-        recently used session's. Returns the slot, the tokens already cached in it and
-        their features (with a draft head)."""
-        if session_id and session_id in self.sessions:
-            entry = self.sessions.pop(session_id)
-            return entry.slot, entry.tokens, entry.features
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens finished sequences' kept slots hold for their prefixes."""
+        return sum(len(e.tokens) for e in self.kept.values())
+
+    def _take_slot(self, spec: PrefillSpec, spare: int | None = None
+                   ) -> tuple[int, int, torch.Tensor | None]:
+        """A slot for a new sequence and how many of its prompt's leading tokens' KV it
+        holds already: its session's kept slot (what it still shares with the prompt), or
+        the longest cached prefix (prefix_cache.py) copied into a free slot, else into the
+        least recently used kept slot; a kept slot holding the prefix is taken as it is
+        when no other is left. Returns the slot, the tokens reused and, with a draft head,
+        the features of the sequence's tokens (the reused ones filled in)."""
+        prompt = spec.token_ids
+        limit = len(prompt) - 1  # the last token is always computed: its logits pick
+        features = self.drafts.feature_buffer(self.config.max_context) \
+            if self.drafts.needs_features else None
+        entry = self.kept.get(spec.session_id) if spec.session_id else None
+        if entry is not None and entry.salt == spec.cache_salt:
+            del self.kept[spec.session_id]
+            reuse = 0
+            while reuse < min(len(entry.tokens), limit) and entry.tokens[reuse] == prompt[reuse]:
+                reuse += 1
+            return self._reuse(entry.slot, entry.slot, reuse, entry.features, features)
+        source, reuse = None, 0
+        if self.prefixes is not None:
+            reuse, source = self.prefixes.lookup(prompt, spec.cache_salt)
+        owner = next((k for k, e in self.kept.items() if e.slot == source), None)
         if self.free_slots:
-            return self.free_slots.pop(), [], None
-        if self.sessions:
-            evicted, entry = self.sessions.popitem(last=False)
-            log.info("evicting session cache to admit a sequence", extra={"session": evicted})
-            return entry.slot, [], None
-        raise ResourceExhausted(
-            f"KV cache full: {len(self.sequences)} live sequences hold all "
-            f"{self.config.slots} slots ({self.capacity_tokens} tokens); retry later"
-        )
+            slot = self.free_slots.pop()
+        else:
+            victims = [k for k in self.kept if k != owner]
+            if not victims and owner is None:
+                raise ResourceExhausted(
+                    f"KV cache full: {len(self.sequences)} live sequences hold all "
+                    f"{self.config.slots} slots ({self.capacity_tokens} tokens); retry later")
+            key = victims[0] if victims else owner  # the prefix's own slot, as it is
+            slot = self.kept.pop(key).slot
+            if key != owner:
+                log.info("evicting a kept prefix to admit a sequence",
+                         extra={"tokens": 0 if owner is None else reuse})
+        src_features = None
+        if source is not None:
+            holder = self.kept.get(owner) if owner is not None else next(
+                (s for s in self.sequences.values() if s.slot == source), None)
+            src_features = holder.features if holder is not None else None
+        return self._reuse(source if reuse else slot, slot, reuse, src_features, features)
+
+    def _reuse(self, source: int | None, slot: int, reuse: int,
+               src_features: torch.Tensor | None, features: torch.Tensor | None
+               ) -> tuple[int, int, torch.Tensor | None]:
+        """``slot`` holding ``source``'s first ``reuse`` tokens' KV (and features)."""
+        if self.prefixes is not None:
+            self.prefixes.drop(slot)  # it is about to be written
+        if reuse and source != slot:
+            self.executor.copy(source, slot, reuse)
+        if features is not None and reuse:
+            if src_features is None:  # no features to reuse: compute them with the rest
+                return slot, 0, features
+            features[:reuse] = src_features[:reuse]
+        return slot, reuse, features
 
     # --- validation -------------------------------------------------------------------
 
@@ -163,12 +240,21 @@ class VerifierEngine:
     # --- prefill ----------------------------------------------------------------------
 
     def prefill(self, specs: list[PrefillSpec]) -> list[PrefillOut]:
+        """Prefill new sequences, all at once (``begin_prefill`` and ``advance_prefill``
+        interleave the same work with steps)."""
+        job = self.begin_prefill(specs)
+        while not self.advance_prefill(job, budget=0):
+            pass
+        return job.outs
+
+    def begin_prefill(self, specs: list[PrefillSpec]) -> PrefillJob:
+        """Check a Prefill call and reserve its slots; ``advance_prefill`` computes it."""
         self.expire()  # a dead router's sequences give their slots back first
         self._check_unique([s.sequence_id for s in specs])
         for i, spec in enumerate(specs):
             if not spec.sequence_id:
                 raise InvalidArgument(f"items[{i}].sequence_id", "must not be empty")
-            if spec.sequence_id in self.sequences:
+            if spec.sequence_id in self.sequences or spec.sequence_id in self.prefilling:
                 raise InvalidArgument(f"items[{i}].sequence_id",
                                       f"sequence {spec.sequence_id!r} is already live")
             if not spec.token_ids:
@@ -188,13 +274,65 @@ class VerifierEngine:
                                       f"{spec.prompt_length} is outside [1, "
                                       f"{len(spec.token_ids)}] (the token_ids sent)")
         grammars = [self._grammar(f"items[{i}].constraint", spec) for i, spec in enumerate(specs)]
-        reusable = sum(1 for s in specs if s.session_id in self.sessions)
-        if len(specs) - reusable > len(self.free_slots) + len(self.sessions) - reusable:
+        room = len(self.free_slots) + len(self.kept) - self.reserved  # kept prefixes give way
+        if len(specs) > room:
             raise ResourceExhausted(
-                f"KV cache full: {len(specs)} new sequences, {len(self.free_slots)} free slots "
-                f"of {self.config.slots}; retry later"
+                f"KV cache full: {len(specs)} new sequences, {len(self.free_slots)} free "
+                f"slots of {self.config.slots} ({len(self.kept)} kept for prefixes, "
+                f"{self.reserved} taken by prefills under way); retry later"
             )
-        return [self._prefill_one(spec, g) for spec, g in zip(specs, grammars, strict=True)]
+        self.reserved += len(specs)
+        job = PrefillJob([PendingPrefill(spec, g) for spec, g in zip(specs, grammars,
+                                                                         strict=True)])
+        self.prefilling.update(s.sequence_id for s in specs)
+        return job
+
+    def advance_prefill(self, job: PrefillJob, budget: int | None = None) -> bool:
+        """Compute the next ``budget`` prompt tokens of a Prefill call (default
+        ``prefill_chunk``; 0: all of it), finishing each sequence whose prompt is done;
+        returns whether the call is done (its outputs in ``job.outs``). A sequence takes
+        its slot (and its cached prefix) when its turn comes, so it may reuse the prefix
+        of one computed before it in the same call."""
+        budget = self.config.prefill_chunk if budget is None else budget
+        left = budget or None
+        for item in job.items:
+            if item.out is not None:
+                continue
+            if item.slot is None:
+                item.slot, item.done, item.features = self._take_slot(item.spec)
+                self.reserved -= 1
+                item.reused = item.done
+            prompt = item.spec.token_ids
+            while item.done < len(prompt) and (left is None or left > 0):
+                size = self.config.prefill_chunk if left is None else min(
+                    left, self.config.prefill_chunk)
+                chunk = prompt[item.done : item.done + size]
+                item.logits = self._forward_chain(item.slot, item.done, chunk,
+                                                  item.features is not None)
+                if item.features is not None:
+                    item.features[item.done : item.done + len(chunk)] = \
+                        self.executor.features[0]
+                item.done += len(chunk)
+                left = None if left is None else left - len(chunk)
+            if item.done < len(prompt):
+                return False
+            item.out = self._first_token(item)
+            job.outs.append(item.out)
+            self.prefilling.discard(item.spec.sequence_id)
+        return True
+
+    def abort_prefill(self, job: PrefillJob) -> None:
+        """A Prefill call that ended before its job (the caller went away): the slots it
+        took are freed, the sequences it finished released."""
+        for item in job.items:
+            self.prefilling.discard(item.spec.sequence_id)
+            if item.out is not None:
+                self.release([item.spec.sequence_id])
+            elif item.slot is not None:
+                self._free(item.slot)
+            else:
+                self.reserved -= 1
+        job.items.clear()
 
     def _grammar(self, field: str, spec: PrefillSpec) -> SequenceGrammar | None:
         """The sequence's matcher after its generated tokens (a re-prefill's), or None."""
@@ -208,23 +346,10 @@ class VerifierEngine:
         except InvalidConstraint as exc:
             raise InvalidArgument(field, str(exc).removeprefix(field + ": ")) from None
 
-    def _prefill_one(self, spec: PrefillSpec, grammar: SequenceGrammar | None) -> PrefillOut:
-        slot, kept, kept_features = self._take_slot(spec.session_id)
-        prompt = spec.token_ids
-        reuse = 0
-        while reuse < min(len(kept), len(prompt) - 1) and kept[reuse] == prompt[reuse]:
-            reuse += 1
-        features = None
-        if self.drafts.needs_features:
-            features = self.drafts.feature_buffer(self.config.max_context)
-            if reuse:
-                features[:reuse] = kept_features[:reuse]
-        logits = None
-        for start in range(reuse, len(prompt), self.config.prefill_chunk):
-            chunk = prompt[start : start + self.config.prefill_chunk]
-            logits = self._forward_chain(slot, start, chunk, features is not None)
-            if features is not None:
-                features[start : start + len(chunk)] = self.executor.features[0]
+    def _first_token(self, item: PendingPrefill) -> PrefillOut:
+        """A prefilled sequence's first token; it is live from here."""
+        spec, grammar, logits, slot = item.spec, item.grammar, item.logits, item.slot
+        prompt, features = spec.token_ids, item.features
         gen = spec.params.make_generator() if not spec.params.greedy else None
         prompt_length = len(prompt) if spec.prompt_length is None else spec.prompt_length
         processed = process_logits(logits[0, -1:].cpu(), spec.params, prompt[:prompt_length],
@@ -236,12 +361,13 @@ class VerifierEngine:
         token = self._pick(processed[0], spec.params, gen)
         if grammar is not None:
             grammar.advance([token])
-        self.sequences[spec.sequence_id] = SequenceState(
+        seq = self.sequences[spec.sequence_id] = SequenceState(
             spec.sequence_id, slot, list(prompt) + [token], spec.params, gen, spec.session_id,
-            prompt_length, features=features, grammar=grammar,
+            prompt_length, features=features, grammar=grammar, cache_salt=spec.cache_salt,
         )
-        self.last_touched = self.sequences[spec.sequence_id].touched
-        return PrefillOut(spec.sequence_id, token, reuse,
+        self._index(seq)
+        self.last_touched = seq.touched
+        return PrefillOut(spec.sequence_id, token, item.reused,
                           self._logprobs(logits[0], [-1], [token], spec.params))
 
     def _logprobs(self, logits: torch.Tensor, rows: list[int], tokens: list[int],
@@ -406,14 +532,23 @@ class VerifierEngine:
         if seq.features is not None:  # the root and the accepted nodes are cached now
             seq.features[seq.cached : seq.cached + len(rows)] = self.executor.features[row, rows]
         seq.tokens.extend(acc.tokens)
+        self._index(seq)
         if seq.grammar is not None:
             seq.grammar.advance(acc.tokens)
         return StepOut(seq.id, acc.tokens, acc.nodes, seq.cached,
                        self._logprobs(logits, rows, acc.tokens, seq.params), len(tree))
 
+    def _index(self, seq: SequenceState) -> None:
+        """The prefix index learns the sequence's cached tokens (its new full blocks)."""
+        if self.prefixes is not None:
+            self.prefixes.index(seq.slot, seq.tokens, seq.cached, seq.cache_salt)
+
     # --- lifetime ---------------------------------------------------------------------
 
     def release(self, sequence_ids: list[str], keep_for_session: bool = False) -> int:
+        """End sequences. A sequence's slot is kept for its prefix (LRU, until a new
+        sequence needs the slot) with prefix caching on, or for its session when asked
+        (``keep_for_session``, a session id); else freed."""
         released = 0
         for sid in sequence_ids:
             seq = self.sequences.pop(sid, None)
@@ -421,15 +556,25 @@ class VerifierEngine:
                 continue
             released += 1
             self.drafts.forget(sid)
-            if keep_for_session and seq.session_id:
-                old = self.sessions.pop(seq.session_id, None)
-                if old is not None:
-                    self.free_slots.append(old.slot)
-                self.sessions[seq.session_id] = SessionEntry(seq.slot, seq.tokens[:-1],
-                                                             seq.features)
-            else:
-                self.free_slots.append(seq.slot)
+            key = seq.session_id if keep_for_session and seq.session_id else \
+                f"sequence:{sid}" if self.prefixes is not None else None
+            if key is None:
+                self._free(seq.slot)
+                continue
+            old = self.kept.pop(key, None)
+            if old is not None:  # the session's earlier turn: this one holds more
+                self._free(old.slot)
+            self.kept[key] = SessionEntry(seq.slot, seq.tokens[:-1], seq.features,
+                                          seq.cache_salt)
+            if self.prefixes is not None:  # index the same tokens, as a finished list
+                self.prefixes.index(seq.slot, self.kept[key].tokens, seq.cached,
+                                    seq.cache_salt)
         return released
+
+    def _free(self, slot: int) -> None:
+        if self.prefixes is not None:
+            self.prefixes.drop(slot)
+        self.free_slots.append(slot)
 
     def expire(self) -> list[str]:
         """Free every live sequence no call has touched for the lease time; returns their
@@ -452,6 +597,8 @@ class VerifierEngine:
             "max_context": self.config.max_context,
             "kv_capacity_tokens": self.capacity_tokens,
             "kv_free_tokens": self.capacity_tokens - self.used_tokens,
+            "kv_cached_tokens": self.cached_tokens,
+            "prefix_block_size": self.prefixes.block_size if self.prefixes else 0,
             "dtype": self.executor.dtype,
             "device": str(self.executor.device),
             "tensor_parallel": self.executor.tp,

@@ -1,8 +1,9 @@
 """Executors run the LLM's forward pass for the engine: in this process, or across
 tensor-/pipeline-parallel rank processes (``services.verifier.parallel``).
 
-The engine only ever asks for two things — a forward over some queries, and a KV
-compaction — so a parallel executor replays exactly these calls on every rank. ``Executor``
+The engine only ever asks for three things — a forward over some queries, a KV
+compaction and a KV prefix copy — so a parallel executor replays exactly these calls on
+every rank. ``Executor``
 is all the engine and the server read of one.
 """
 
@@ -63,6 +64,10 @@ class Executor(Protocol):
         """Move a slot's K/V from cache positions ``src`` to ``dst`` (``KVCache.compact``)."""
         ...
 
+    def copy(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Copy a slot's first ``length`` positions' K/V into another (``KVCache.copy``)."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -98,6 +103,9 @@ class LocalExecutor:
 
     def compact(self, slot: int, src: list[int], dst: list[int]) -> None:
         self.runtime.cache.compact(slot, src, dst)
+
+    def copy(self, src_slot: int, dst_slot: int, length: int) -> None:
+        self.runtime.cache.copy(src_slot, dst_slot, length)
 
     def close(self) -> None:
         """Nothing to stop: no other process holds part of the model, and its memory goes

@@ -31,6 +31,7 @@ class LocalResult:
     draft_s: float = 0.0  # time in the tree source (the batch's, shared)
     verify_s: float = 0.0  # time in the engine's decode/verify steps
     logprobs: list[TokenLogprob] = field(default_factory=list)  # if params.logprobs is set
+    reused_tokens: int = 0  # prompt tokens whose KV was cached (prefix caching)
 
     @property
     def steps(self) -> int:
@@ -67,7 +68,8 @@ def generate_local(
                             for sid, p, q in zip(ids, prompts, each, strict=True)])
     ttft = time.perf_counter() - start
     history = {sid: list(p) + [f.token] for sid, p, f in zip(ids, prompts, first, strict=True)}
-    results = {sid: LocalResult([f.token], ttft_s=ttft, logprobs=f.logprobs)
+    results = {sid: LocalResult([f.token], ttft_s=ttft, logprobs=f.logprobs,
+                                reused_tokens=f.reused_tokens)
                for sid, f in zip(ids, first, strict=True)}
     stops = {sid: SequenceStops(ends) for sid in ids}
     for sid, f in zip(ids, first, strict=True):

@@ -24,7 +24,8 @@ def run(config: VerifierConfig) -> int:
         max_context=config.max_context, slots=config.slots,
         max_tree_nodes=config.max_tree_nodes, prefill_chunk=config.prefill_chunk,
         head_expansion=config.head_widths(), head_dynamic=config.head_tree == "dynamic",
-        head_nodes=config.head_nodes, sequence_lease_s=config.sequence_lease)
+        head_nodes=config.head_nodes, sequence_lease_s=config.sequence_lease,
+        prefix_caching=not config.no_prefix_caching, block_size=config.block_size)
     head = _draft_head(config.draft_head, config.llm, config.tp * config.pp > 1)
     placement = config.placement.resolve()
     tls_config = tls.from_flags(config.tls)

@@ -14,14 +14,25 @@ class VerifierMetrics:
         r, labels = self.registry, ["model_name"]
         self._m = {"model_name": model_name}
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc",
-                              "KV cache usage: tokens held (live sequences and kept sessions) "
-                              "over capacity; 1 = full.", labels, registry=r).labels(**self._m)
+                              "KV cache usage: tokens live sequences hold over capacity; "
+                              "1 = full (kept prefixes give way: "
+                              "kv_cache_cached_tokens).", labels, registry=r).labels(**self._m)
         self.kv_capacity = Gauge(PREFIX + "kv_cache_capacity_tokens",
                                  "Tokens the KV cache holds (slots x max context).", labels,
                                  registry=r).labels(**self._m)
+        self.kv_cached = Gauge(PREFIX + "kv_cache_cached_tokens",
+                               "Tokens of finished sequences' KV kept for prefix reuse.",
+                               labels, registry=r).labels(**self._m)
         self.sequences = Gauge(PREFIX + "verifier_sequences",
-                               "Sequences in the KV cache: live, or kept for their session.",
-                               labels + ["state"], registry=r)
+                               "Sequences in the KV cache: live, or finished and kept for "
+                               "their prefix (cached).", labels + ["state"], registry=r)
+        # vLLM's prefix-cache counters (tokens), with our prefix.
+        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.", labels,
+                                      registry=r).labels(**self._m)
+        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits",
+                                   "Prompt tokens whose KV the prefix cache held (reused, "
+                                   "not computed).", labels, registry=r).labels(**self._m)
         self.step_seconds = Histogram(PREFIX + "verifier_step_seconds",
                                       "Engine time per call (after queueing), by RPC and "
                                       "nodes per tree (an upper bound; 0: none).",
@@ -80,9 +91,11 @@ class VerifierMetrics:
                                  **self._m).observe(seconds)
         self.batch_size.labels(rpc=rpc, **self._m).observe(batch)
 
-    def cache(self, used_tokens: int, capacity_tokens: int, live: int, sessions: int) -> None:
+    def cache(self, engine) -> None:
         """The KV cache's state, read on the engine's thread after a call."""
-        self.kv_capacity.set(capacity_tokens)
-        self.kv_usage.set(used_tokens / capacity_tokens if capacity_tokens else 0.0)
-        self.sequences.labels(state="live", **self._m).set(live)
-        self.sequences.labels(state="session", **self._m).set(sessions)
+        capacity = engine.capacity_tokens
+        self.kv_capacity.set(capacity)
+        self.kv_usage.set(engine.used_tokens / capacity if capacity else 0.0)
+        self.kv_cached.set(engine.cached_tokens)
+        self.sequences.labels(state="live", **self._m).set(len(engine.sequences))
+        self.sequences.labels(state="cached", **self._m).set(len(engine.kept))

@@ -13,8 +13,8 @@ nodes take the model and config from it, and its health reports theirs: collecti
 out (``--rank-timeout``), rank 0 pings when idle, so a lost rank makes the verifier answer
 UNAVAILABLE and report NOT_SERVING within seconds, and the other ranks exit.
 
-Rank 0 drives every step: it broadcasts each executor call (forward or KV compaction) to
-all ranks, then every rank runs its part. Hidden states flow stage to stage by
+Rank 0 drives every step: it broadcasts each executor call (forward, KV compaction or
+prefix copy) to all ranks, then every rank runs its part. Hidden states flow stage to stage by
 torch.distributed point-to-point between the stages' tensor-rank-0 processes (and are
 broadcast inside a stage's tensor group); the batch is split into micro-batches so that
 stage s works on micro-batch m while stage s+1 works on m-1. The last stage sends logits
@@ -285,6 +285,8 @@ class RankWorker:
                     self.forward(payload)
                 elif op == "compact":
                     self.runtime.cache.compact(*payload)
+                elif op == "copy":
+                    self.runtime.cache.copy(*payload)
                 elif op == "stop":
                     break
             except RuntimeError as exc:  # gloo/NCCL: a peer closed or timed out
@@ -367,6 +369,10 @@ class ParallelExecutor:
             return
         self._call("compact", (slot, src, dst),
                    lambda: self.worker.runtime.cache.compact(slot, src, dst))
+
+    def copy(self, src_slot: int, dst_slot: int, length: int) -> None:
+        self._call("copy", (src_slot, dst_slot, length),
+                   lambda: self.worker.runtime.cache.copy(src_slot, dst_slot, length))
 
     def close(self) -> None:
         if self.closed:

@@ -32,6 +32,10 @@ class EngineConfig:
     head_expansion: tuple[int, ...] = (2, 1, 1, 1)
     head_dynamic: bool = True
     head_nodes: int = 8
+    # Automatic prefix caching: finished sequences' KV kept and indexed by blocks of
+    # ``block_size`` tokens, reused by new sequences sharing a prefix (prefix_cache.py).
+    prefix_caching: bool = True
+    block_size: int = 16
 
 
 @dataclass
@@ -53,6 +57,7 @@ class SequenceState:
     features: torch.Tensor | None = None
     # Structured output: the constraint's matcher, after every generated token.
     grammar: SequenceGrammar | None = None
+    cache_salt: str = ""  # its prefix is shared only with sequences of the same salt
 
     @property
     def cached(self) -> int:
@@ -65,6 +70,9 @@ class SequenceState:
 
 @dataclass
 class SessionEntry:
+    """A finished sequence's slot, kept for its prefix."""
+
     slot: int
     tokens: list[int]  # tokens whose K/V the slot holds, in order
     features: torch.Tensor | None = None  # theirs, with a draft head
+    salt: str = ""  # the sequence's cache salt

@@ -7,6 +7,7 @@ on a single worker thread; the event loop stays free for health checks and new r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,9 +49,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         try:
             return fn(self.engine, *args), time.perf_counter() - start
         finally:
-            engine = self.engine
-            self.metrics.cache(engine.used_tokens, engine.capacity_tokens,
-                               len(engine.sequences), len(engine.sessions))
+            self.metrics.cache(self.engine)
 
     async def _call(self, context: grpc.aio.ServicerContext, method: str, fn, *args):
         """``fn(engine, *args)`` on the engine's thread, its errors mapped to statuses;
@@ -84,14 +83,28 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 specs.append(PrefillSpec(item.sequence_id, list(item.token_ids), params,
                                          item.session_id,
                                          item.prompt_length if item.HasField("prompt_length")
-                                         else None, constraints[i]))
-            return engine.prefill(specs)
+                                         else None, constraints[i], item.cache_salt))
+            return engine.begin_prefill(specs)
 
-        out, seconds = await self._call(context, "Prefill", run)
+        job, seconds = await self._call(context, "Prefill", run)
+        done = False
+        try:  # a chunk of the prompts at a time, so queued Step calls run in between
+            while not done:
+                done, chunk_seconds = await self._call(context, "Prefill",
+                                                       VerifierEngine.advance_prefill, job)
+                seconds += chunk_seconds
+        finally:
+            if not done:  # failed, or the caller went away: free what the job took
+                with contextlib.suppress(RuntimeError):  # the pool is shut down
+                    await asyncio.get_running_loop().run_in_executor(
+                        self.pool, self._measured, VerifierEngine.abort_prefill, job)
+        out = job.outs
         tokens = sum(len(item.token_ids) for item in request.items)
         reused = sum(r.reused_tokens for r in out)
         self.metrics.call("Prefill", len(out), 0, seconds)
         self.metrics.prefill_tokens.inc(tokens - reused)
+        self.metrics.prefix_queries.inc(tokens)
+        self.metrics.prefix_hits.inc(reused)
         _annotate(batch_size=len(out), prompt_tokens=tokens, reused_tokens=reused,
                   engine_seconds=seconds)
         kinds = sorted({c.kind for c in constraints if c is not None})

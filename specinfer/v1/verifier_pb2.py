@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specinfer.v1 import common_pb2 as specinfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecinfer/v1/verifier.proto\x12\x0cspecinfer.v1\x1a\x19specinfer/v1/common.proto\"\xd5\x01\n\x0bPrefillItem\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x1a\n\rprompt_length\x18\x05 \x01(\rH\x00\x88\x01\x01\x12,\n\nconstraint\x18\x06 \x01(\x0b\x32\x18.specinfer.v1.ConstraintB\x10\n\x0e_prompt_length\":\n\x0ePrefillRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.specinfer.v1.PrefillItem\"w\n\rPrefillResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x05\x12\x15\n\rreused_tokens\x18\x03 \x01(\r\x12+\n\x07logprob\x18\x04 \x01(\x0b\x32\x1a.specinfer.v1.TokenLogprob\"?\n\x0fPrefillResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.specinfer.v1.PrefillResult\"/\n\tDraftPlan\x12\x0f\n\x07sources\x18\x01 \x03(\t\x12\x11\n\tmax_nodes\x18\x02 \x01(\r\"\xbb\x01\n\x08StepItem\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x12\n\nroot_token\x18\x02 \x01(\x05\x12%\n\x04tree\x18\x03 \x01(\x0b\x32\x17.specinfer.v1.TokenTree\x12&\n\x05\x64raft\x18\x04 \x01(\x0b\x32\x17.specinfer.v1.DraftPlan\x12\'\n\x06shadow\x18\x05 \x01(\x0b\x32\x17.specinfer.v1.DraftPlan\x12\x0e\n\x06\x66orced\x18\x06 \x01(\x08\"4\n\x0bStepRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.specinfer.v1.StepItem\"\xd2\x01\n\nStepResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x03 \x03(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\x12\x15\n\rdrafted_nodes\x18\x06 \x01(\r\x12+\n\nnext_draft\x18\x07 \x01(\x0b\x32\x17.specinfer.v1.TokenTree\"9\n\x0cStepResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.specinfer.v1.StepResult\"@\n\x0eReleaseRequest\x12\x14\n\x0csequence_ids\x18\x01 \x03(\t\x12\x18\n\x10keep_for_session\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\r\n\x0bInfoRequest\"\x83\x03\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x04 \x01(\x04\x12\x16\n\x0ekv_free_tokens\x18\x05 \x01(\x04\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x17\n\x0ftensor_parallel\x18\x07 \x01(\r\x12\x19\n\x11pipeline_parallel\x18\x08 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x16\n\x0elive_sequences\x18\x0b \x01(\r\x12\x1e\n\x16sequence_lease_seconds\x18\r \x01(\x02\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12\x15\n\rstep_protocol\x18\x0f \x01(\r\x12\x30\n\rdraft_sources\x18\x10 \x03(\x0b\x32\x19.specinfer.v1.DraftSourceJ\x04\x08\x0c\x10\r\",\n\x0b\x44raftSource\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07sampled\x18\x02 \x01(\x08\x32\x98\x02\n\x08Verifier\x12\x46\n\x07Prefill\x12\x1c.specinfer.v1.PrefillRequest\x1a\x1d.specinfer.v1.PrefillResponse\x12=\n\x04Step\x12\x19.specinfer.v1.StepRequest\x1a\x1a.specinfer.v1.StepResponse\x12\x46\n\x07Release\x12\x1c.specinfer.v1.ReleaseRequest\x1a\x1d.specinfer.v1.ReleaseResponse\x12=\n\x04Info\x12\x19.specinfer.v1.InfoRequest\x1a\x1a.specinfer.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecinfer/v1/verifier.proto\x12\x0cspecinfer.v1\x1a\x19specinfer/v1/common.proto\"\xe9\x01\n\x0bPrefillItem\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x1a\n\rprompt_length\x18\x05 \x01(\rH\x00\x88\x01\x01\x12,\n\nconstraint\x18\x06 \x01(\x0b\x32\x18.specinfer.v1.Constraint\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x10\n\x0e_prompt_length\":\n\x0ePrefillRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.specinfer.v1.PrefillItem\"w\n\rPrefillResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x05\x12\x15\n\rreused_tokens\x18\x03 \x01(\r\x12+\n\x07logprob\x18\x04 \x01(\x0b\x32\x1a.specinfer.v1.TokenLogprob\"?\n\x0fPrefillResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.specinfer.v1.PrefillResult\"/\n\tDraftPlan\x12\x0f\n\x07sources\x18\x01 \x03(\t\x12\x11\n\tmax_nodes\x18\x02 \x01(\r\"\xbb\x01\n\x08StepItem\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x12\n\nroot_token\x18\x02 \x01(\x05\x12%\n\x04tree\x18\x03 \x01(\x0b\x32\x17.specinfer.v1.TokenTree\x12&\n\x05\x64raft\x18\x04 \x01(\x0b\x32\x17.specinfer.v1.DraftPlan\x12\'\n\x06shadow\x18\x05 \x01(\x0b\x32\x17.specinfer.v1.DraftPlan\x12\x0e\n\x06\x66orced\x18\x06 \x01(\x08\"4\n\x0bStepRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.specinfer.v1.StepItem\"\xd2\x01\n\nStepResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x03 \x03(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\x12\x15\n\rdrafted_nodes\x18\x06 \x01(\r\x12+\n\nnext_draft\x18\x07 \x01(\x0b\x32\x17.specinfer.v1.TokenTree\"9\n\x0cStepResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.specinfer.v1.StepResult\"@\n\x0eReleaseRequest\x12\x14\n\x0csequence_ids\x18\x01 \x03(\t\x12\x18\n\x10keep_for_session\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\r\n\x0bInfoRequest\"\xb8\x03\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x04 \x01(\x04\x12\x16\n\x0ekv_free_tokens\x18\x05 \x01(\x04\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x17\n\x0ftensor_parallel\x18\x07 \x01(\r\x12\x19\n\x11pipeline_parallel\x18\x08 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x16\n\x0elive_sequences\x18\x0b \x01(\r\x12\x1e\n\x16sequence_lease_seconds\x18\r \x01(\x02\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12\x15\n\rstep_protocol\x18\x0f \x01(\r\x12\x30\n\rdraft_sources\x18\x10 \x03(\x0b\x32\x19.specinfer.v1.DraftSource\x12\x18\n\x10kv_cached_tokens\x18\x11 \x01(\x04\x12\x19\n\x11prefix_block_size\x18\x12 \x01(\rJ\x04\x08\x0c\x10\r\",\n\x0b\x44raftSource\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07sampled\x18\x02 \x01(\x08\x32\x98\x02\n\x08Verifier\x12\x46\n\x07Prefill\x12\x1c.specinfer.v1.PrefillRequest\x1a\x1d.specinfer.v1.PrefillResponse\x12=\n\x04Step\x12\x19.specinfer.v1.StepRequest\x1a\x1a.specinfer.v1.StepResponse\x12\x46\n\x07Release\x12\x1c.specinfer.v1.ReleaseRequest\x1a\x1d.specinfer.v1.ReleaseResponse\x12=\n\x04Info\x12\x19.specinfer.v1.InfoRequest\x1a\x1a.specinfer.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,33 +33,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specinfer.v1.verifier_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLITEM']._serialized_start=73
-  _globals['_PREFILLITEM']._serialized_end=286
-  _globals['_PREFILLREQUEST']._serialized_start=288
-  _globals['_PREFILLREQUEST']._serialized_end=346
-  _globals['_PREFILLRESULT']._serialized_start=348
-  _globals['_PREFILLRESULT']._serialized_end=467
-  _globals['_PREFILLRESPONSE']._serialized_start=469
-  _globals['_PREFILLRESPONSE']._serialized_end=532
-  _globals['_DRAFTPLAN']._serialized_start=534
-  _globals['_DRAFTPLAN']._serialized_end=581
-  _globals['_STEPITEM']._serialized_start=584
-  _globals['_STEPITEM']._serialized_end=771
-  _globals['_STEPREQUEST']._serialized_start=773
-  _globals['_STEPREQUEST']._serialized_end=825
-  _globals['_STEPRESULT']._serialized_start=828
-  _globals['_STEPRESULT']._serialized_end=1038
-  _globals['_STEPRESPONSE']._serialized_start=1040
-  _globals['_STEPRESPONSE']._serialized_end=1097
-  _globals['_RELEASEREQUEST']._serialized_start=1099
-  _globals['_RELEASEREQUEST']._serialized_end=1163
-  _globals['_RELEASERESPONSE']._serialized_start=1165
-  _globals['_RELEASERESPONSE']._serialized_end=1200
-  _globals['_INFOREQUEST']._serialized_start=1202
-  _globals['_INFOREQUEST']._serialized_end=1215
-  _globals['_INFORESPONSE']._serialized_start=1218
-  _globals['_INFORESPONSE']._serialized_end=1605
-  _globals['_DRAFTSOURCE']._serialized_start=1607
-  _globals['_DRAFTSOURCE']._serialized_end=1651
-  _globals['_VERIFIER']._serialized_start=1654
-  _globals['_VERIFIER']._serialized_end=1934
+  _globals['_PREFILLITEM']._serialized_end=306
+  _globals['_PREFILLREQUEST']._serialized_start=308
+  _globals['_PREFILLREQUEST']._serialized_end=366
+  _globals['_PREFILLRESULT']._serialized_start=368
+  _globals['_PREFILLRESULT']._serialized_end=487
+  _globals['_PREFILLRESPONSE']._serialized_start=489
+  _globals['_PREFILLRESPONSE']._serialized_end=552
+  _globals['_DRAFTPLAN']._serialized_start=554
+  _globals['_DRAFTPLAN']._serialized_end=601
+  _globals['_STEPITEM']._serialized_start=604
+  _globals['_STEPITEM']._serialized_end=791
+  _globals['_STEPREQUEST']._serialized_start=793
+  _globals['_STEPREQUEST']._serialized_end=845
+  _globals['_STEPRESULT']._serialized_start=848
+  _globals['_STEPRESULT']._serialized_end=1058
+  _globals['_STEPRESPONSE']._serialized_start=1060
+  _globals['_STEPRESPONSE']._serialized_end=1117
+  _globals['_RELEASEREQUEST']._serialized_start=1119
+  _globals['_RELEASEREQUEST']._serialized_end=1183
+  _globals['_RELEASERESPONSE']._serialized_start=1185
+  _globals['_RELEASERESPONSE']._serialized_end=1220
+  _globals['_INFOREQUEST']._serialized_start=1222
+  _globals['_INFOREQUEST']._serialized_end=1235
+  _globals['_INFORESPONSE']._serialized_start=1238
+  _globals['_INFORESPONSE']._serialized_end=1678
+  _globals['_DRAFTSOURCE']._serialized_start=1680
+  _globals['_DRAFTSOURCE']._serialized_end=1724
+  _globals['_VERIFIER']._serialized_start=1727
+  _globals['_VERIFIER']._serialized_end=2007
 # @@protoc_insertion_point(module_scope)

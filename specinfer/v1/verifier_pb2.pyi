@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillItem(_message.Message):
-    __slots__ = ("sequence_id", "token_ids", "sampling", "session_id", "prompt_length", "constraint")
+    __slots__ = ("sequence_id", "token_ids", "sampling", "session_id", "prompt_length", "constraint", "cache_salt")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     session_id: str
     prompt_length: int
     constraint: _common_pb2.Constraint
-    def __init__(self, sequence_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., prompt_length: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, sequence_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., prompt_length: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("items",)
@@ -120,7 +122,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "kv_capacity_tokens", "kv_free_tokens", "dtype", "tensor_parallel", "pipeline_parallel", "max_tree_nodes", "eos_token_ids", "live_sequences", "sequence_lease_seconds", "device", "step_protocol", "draft_sources")
+    __slots__ = ("model", "vocab_size", "max_context", "kv_capacity_tokens", "kv_free_tokens", "dtype", "tensor_parallel", "pipeline_parallel", "max_tree_nodes", "eos_token_ids", "live_sequences", "sequence_lease_seconds", "device", "step_protocol", "draft_sources", "kv_cached_tokens", "prefix_block_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +138,8 @@ class InfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     STEP_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -151,7 +155,9 @@ class InfoResponse(_message.Message):
     device: str
     step_protocol: int
     draft_sources: _containers.RepeatedCompositeFieldContainer[DraftSource]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., live_sequences: _Optional[int] = ..., sequence_lease_seconds: _Optional[float] = ..., device: _Optional[str] = ..., step_protocol: _Optional[int] = ..., draft_sources: _Optional[_Iterable[_Union[DraftSource, _Mapping]]] = ...) -> None: ...
+    kv_cached_tokens: int
+    prefix_block_size: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., live_sequences: _Optional[int] = ..., sequence_lease_seconds: _Optional[float] = ..., device: _Optional[str] = ..., step_protocol: _Optional[int] = ..., draft_sources: _Optional[_Iterable[_Union[DraftSource, _Mapping]]] = ..., kv_cached_tokens: _Optional[int] = ..., prefix_block_size: _Optional[int] = ...) -> None: ...
 
 class DraftSource(_message.Message):
     __slots__ = ("name", "sampled")
