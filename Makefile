@@ -10,7 +10,7 @@ PROTOS := $(wildcard proto/specinfer/v1/*.proto)
 
 .PHONY: test-structured
 .PHONY: setup proto lint test test-fast run bench bench-quick soak fuzz bench-tracing gpu-wheels clean
-.PHONY: chart checkov-venv
+.PHONY: chart checkov-venv prometheus
 .PHONY: image
 
 setup: $(STAMP)
@@ -41,8 +41,16 @@ lint: setup
 # tests/test_chart*.py (the Helm chart) run once, inside this pytest run, like any test
 # file; `make chart` runs them alone. test depends on the checkov venv so its checkov test
 # runs rather than skips.
-test: setup lint $(CHECKOV_STAMP)
+test: setup lint $(CHECKOV_STAMP) prometheus
 	$(VENV)/bin/pytest
+
+# Debian's Prometheus: tests/test_observability.py scrapes the services with it and runs
+# the dashboard's queries through its API (a test skips without it; CI runs as root).
+prometheus:
+	command -v prometheus >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		$$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 # The unit tier, for the inner loop (under 3 minutes on 2 cores): every test but those that
 # start services as processes (marker `processes`) or are slow (`slow`: the real default

@@ -13,6 +13,7 @@ import argparse
 import importlib
 import sys
 
+from services.parent import follow_parent
 from specinfer.config import add_arguments, from_namespace
 from specinfer.models import ModelError
 
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     role = getattr(args, "role", None)
     setup_logging(f"{args.command}-{role or ''}".strip("-"), args.log_level)
+    follow_parent()  # a service `up` started ends with it
     _, name, flags, run = COMMANDS[(args.command, role)]
     module = importlib.import_module(name)
     declared = getattr(module, flags)

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.parent import child_env
 from services.router import auth
 from services.router.config import RouterConfig
 from services.speculator.config import SpeculatorConfig
@@ -157,7 +158,8 @@ class Supervised:
     restarts: int = 0
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, env=self.env)
+        # It ends with `up`, even a SIGKILLed one (parent.follow_parent).
+        self.proc = subprocess.Popen(self.cmd, env=child_env(self.env))
         self.serving_since, self.restart_at = None, None
 
 

@@ -303,42 +303,71 @@ def _completion(resp: router_pb2.GenerateResponse) -> Completion:
                       list(resp.logprobs), _tool_calls(resp), resp.usage.cached_prompt_tokens)
 
 
+class _Backoff:
+    """Retrying UNAVAILABLE (the router restarting, a connection not up yet) before the
+    first token: waits of 0.25 s doubling to 2 s, for up to ``budget_s`` in all. Never
+    after a token was received (the caller has it: a retry would repeat it)."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.deadline = time.monotonic() + budget_s
+        self.delay = 0.25
+
+    def wait_s(self, exc: grpc.RpcError, received: bool = False) -> float | None:
+        """How long to wait before trying again, or None: ``exc`` is final."""
+        left = self.deadline - time.monotonic()
+        if received or exc.code() != grpc.StatusCode.UNAVAILABLE or left <= 0:
+            return None
+        wait, self.delay = min(self.delay, left), min(2 * self.delay, 2.0)
+        return wait
+
+
 class Client:
+    """The router's gRPC API. ``retry_seconds``: how long a call keeps retrying
+    UNAVAILABLE before its first token (a router restart takes seconds); 0: never."""
+
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = 300.0,
-                 retries: int = 3, metadata: list[tuple[str, str]] | None = None, *,
+                 retry_seconds: float = 30.0, metadata: list[tuple[str, str]] | None = None, *,
                  api_key: str | None = None, tls: bool = False, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None) -> None:
         creds = _credentials(tls, tls_ca, tls_cert, tls_key)
         self.channel = grpc.secure_channel(address, creds, options=GRPC_OPTIONS) if creds \
             else grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
-        self.timeout, self.retries = timeout, retries
+        self.timeout, self.retry_seconds = timeout, retry_seconds
         self.metadata, self.api_key = metadata, api_key
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  metadata=None, **kwargs) -> Completion:
         req = build_request(prompt, **kwargs)
         md = _with_trace_context(_auth_metadata(self.api_key, metadata or self.metadata))
-        for attempt in range(self.retries + 1):
+        backoff = _Backoff(self.retry_seconds)
+        while True:
             try:
                 return _completion(self.stub.Generate(req, timeout=timeout or self.timeout,
                                                       metadata=md))
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
+                wait = backoff.wait_s(exc)
+                if wait is None:
                     raise _typed(exc) from None
-                time.sleep(0.5 * 2**attempt)
-        raise AssertionError("unreachable")
+                time.sleep(wait)
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None,
                metadata=None, **kwargs) -> Iterator[Chunk]:
         req = build_request(prompt, **kwargs)
         md = _with_trace_context(_auth_metadata(self.api_key, metadata or self.metadata))
-        try:
-            for msg in self.stub.GenerateStream(req, timeout=timeout or self.timeout,
-                                                metadata=md):
-                yield _chunk(msg)
-        except grpc.RpcError as exc:
-            raise _typed(exc) from None
+        backoff, received = _Backoff(self.retry_seconds), False
+        while True:
+            try:
+                for msg in self.stub.GenerateStream(req, timeout=timeout or self.timeout,
+                                                    metadata=md):
+                    received = True
+                    yield _chunk(msg)
+                return
+            except grpc.RpcError as exc:
+                wait = backoff.wait_s(exc, received)
+                if wait is None:
+                    raise _typed(exc) from None
+                time.sleep(wait)
 
     def close(self) -> None:
         self.channel.close()
@@ -351,41 +380,51 @@ class Client:
 
 
 class AsyncClient:
+    """``Client``'s asyncio twin (the same arguments)."""
+
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = 300.0,
-                 retries: int = 3, metadata: list[tuple[str, str]] | None = None, *,
+                 retry_seconds: float = 30.0, metadata: list[tuple[str, str]] | None = None, *,
                  api_key: str | None = None, tls: bool = False, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None) -> None:
         creds = _credentials(tls, tls_ca, tls_cert, tls_key)
         self.channel = grpc.aio.secure_channel(address, creds, options=GRPC_OPTIONS) \
             if creds else grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
-        self.timeout, self.retries = timeout, retries
+        self.timeout, self.retry_seconds = timeout, retry_seconds
         self.metadata, self.api_key = metadata, api_key
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        metadata=None, **kwargs) -> Completion:
         req = build_request(prompt, **kwargs)
         md = _with_trace_context(_auth_metadata(self.api_key, metadata or self.metadata))
-        for attempt in range(self.retries + 1):
+        backoff = _Backoff(self.retry_seconds)
+        while True:
             try:
                 return _completion(await self.stub.Generate(
                     req, timeout=timeout or self.timeout, metadata=md))
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
+                wait = backoff.wait_s(exc)
+                if wait is None:
                     raise _typed(exc) from None
-                await asyncio.sleep(0.5 * 2**attempt)
-        raise AssertionError("unreachable")
+                await asyncio.sleep(wait)
 
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None,
                      metadata=None, **kwargs) -> AsyncIterator[Chunk]:
         req = build_request(prompt, **kwargs)
         md = _with_trace_context(_auth_metadata(self.api_key, metadata or self.metadata))
-        try:
-            async for msg in self.stub.GenerateStream(req, timeout=timeout or self.timeout,
-                                                      metadata=md):
-                yield _chunk(msg)
-        except grpc.aio.AioRpcError as exc:
-            raise _typed(exc) from None
+        backoff, received = _Backoff(self.retry_seconds), False
+        while True:
+            try:
+                async for msg in self.stub.GenerateStream(
+                        req, timeout=timeout or self.timeout, metadata=md):
+                    received = True
+                    yield _chunk(msg)
+                return
+            except grpc.aio.AioRpcError as exc:
+                wait = backoff.wait_s(exc, received)
+                if wait is None:
+                    raise _typed(exc) from None
+                await asyncio.sleep(wait)
 
     async def close(self) -> None:
         await self.channel.close()

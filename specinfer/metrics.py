@@ -11,6 +11,8 @@ metrics.py``) on a registry of its own, so a test process can hold several.
 from __future__ import annotations
 
 import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import (
@@ -20,7 +22,6 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
     generate_latest,
-    start_http_server,
 )
 
 from specinfer.config import flag
@@ -70,10 +71,37 @@ def port_flag(what: str) -> Any:
     return flag(0, f"serve Prometheus metrics at http://HOST:PORT/metrics ({what}); 0 = off")
 
 
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """``GET /metrics``: the registry in the text format, whatever the scraper accepts.
+    (prometheus_client's own server answers Prometheus' ``Accept:
+    application/openmetrics-text`` with OpenMetrics, whose sample names escape the colon of
+    ``specinfer:...`` to ``_`` under a real Prometheus while ``# TYPE`` keeps it: every
+    series then lands under another name than the docs and the dashboard use.)"""
+
+    registry: CollectorRegistry
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+            self.send_error(404, "metrics are at /metrics")
+            return
+        body = exposition(self.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass  # a scrape a second would flood the logs
+
+
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> None:
     """``/metrics`` on ``port`` from a daemon thread (a scrape never waits on the model's
     thread or the event loop)."""
     if not 0 < port < 65536:
         return
-    start_http_server(port, addr=host, registry=registry)
+    handler = type("Handler", (_MetricsHandler,), {"registry": registry})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     log.info("metrics", extra={"address": f"{host}:{port}", "path": "/metrics"})

@@ -56,7 +56,7 @@ def open_streams(addr: str, n: int, max_tokens: int = 1500) -> tuple[list, threa
 
     def run(i: int) -> None:
         try:
-            with Client(addr, retries=0) as c:
+            with Client(addr, retry_seconds=0) as c:
                 for chunk in c.stream(f"{PROMPT} {i}", max_tokens=max_tokens):
                     got[i] += chunk.token_ids
                     if all(got):
@@ -139,7 +139,7 @@ def test_no_capacity_within_the_queue_timeout_is_429_with_retry_after(verifier,
             urllib.request.urlopen(req, timeout=60)
         assert err.value.code == 429 and int(err.value.headers["Retry-After"]) >= 1
         assert json.loads(err.value.read())["error"]["type"] == "rate_limit_error"
-        with Client(d_addr, retries=0) as client, pytest.raises(OverloadedError):
+        with Client(d_addr, retry_seconds=0) as client, pytest.raises(OverloadedError):
             client.generate("hi", max_tokens=4)
         stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(d_addr))
         with pytest.raises(grpc.RpcError) as err:

@@ -6,9 +6,14 @@ Grafana dashboard checked against what the services export."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
+import shutil
+import subprocess
 import threading
+import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -346,3 +351,70 @@ def test_the_dashboard_plots_only_metrics_the_services_export(stack):
     for wanted in ("throughput", "time to first token", "inter-token", "queue", "kv cache",
                    "acceptance", "mode"):
         assert wanted in titles, wanted
+
+
+PROMETHEUS = shutil.which("prometheus")  # Debian's package: `make test` installs it
+
+
+def _prom_query(base: str, expr: str) -> list[dict]:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        body = json.loads(resp.read())
+    assert body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus (make test "
+                    "installs it)")
+def test_a_real_prometheus_stores_every_series_the_dashboard_queries(stack, tmp_path):
+    """Debian's Prometheus scrapes router, verifier and speculator (it negotiates
+    OpenMetrics) under a load that touches every panel; every query of the Grafana
+    dashboard and the chart's KEDA trigger query returns finite samples through its HTTP
+    API, so the names it stored are the names the docs and the dashboard use."""
+    port = free_port()
+    targets = {"router": stack["http"], "verifier": stack["verifier_metrics"],
+               "speculator": stack["speculator_metrics"]}
+    config = {"global": {"scrape_interval": "1s"}, "scrape_configs": [
+        {"job_name": job, "metrics_path": "/metrics", "static_configs": [{
+            "targets": [url.split("//")[1].split("/")[0]],
+            "labels": {"namespace": "specinfer-test"}}]}
+        for job, url in targets.items()]}
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if urllib.request.urlopen(f"{base}/-/ready", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.3)
+        with Client(stack["addr"]) as c:  # load over several scrapes
+            end = time.monotonic() + 8
+            while time.monotonic() < end:
+                c.generate("Count: 1, 2, 3,", max_tokens=24)
+                c.generate("Reply in JSON.", max_tokens=16, json_object=True)
+        time.sleep(2)  # the last scrape after the load
+        board = json.loads(DASHBOARD.read_text())
+        queries = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+        queries.append('sum(specinfer:num_requests_waiting{namespace="specinfer-test"})')
+        empty = []
+        for expr in queries:
+            expr = expr.replace("$__rate_interval", "30s").replace("$model_name", ".*")
+            result = _prom_query(base, expr)
+            values = [float(r["value"][1]) for r in result]
+            if not values or not all(math.isfinite(v) for v in values):
+                empty.append((expr, values))
+        assert len(queries) >= 28 and not empty, empty
+        # The verifier's and speculator's series kept their colons.
+        stored = {r["metric"]["__name__"] for job in ("verifier", "speculator")
+                  for r in _prom_query(base, f'{{__name__=~"specinfer.*", job="{job}"}}')}
+        assert "specinfer:kv_cache_usage_perc" in stored, sorted(stored)
+        assert not any(n.startswith("specinfer_") for n in stored), sorted(stored)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

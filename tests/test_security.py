@@ -76,7 +76,7 @@ def stack(processes, tiny_chat_llm, pki, tmp_path_factory):
 
 
 def _client(stack, key: str | None = KEYS[0]) -> Client:
-    return Client(stack["addr"], api_key=key or "", tls_ca=stack["ca"], retries=0)
+    return Client(stack["addr"], api_key=key or "", tls_ca=stack["ca"], retry_seconds=0)
 
 
 def _https(stack, path: str, body: dict | None = None, key: str | None = KEYS[0],
@@ -312,14 +312,14 @@ def test_up_with_tls_and_a_key(tiny_chat_llm, tmp_path):
         line = out.read_text()
         assert "https://" in line
         ca = line.split("TLS CA ")[1].split()[0]
-        with Client(up.addr, tls_ca=ca, api_key=key, retries=0) as c:
+        with Client(up.addr, tls_ca=ca, api_key=key, retry_seconds=0) as c:
             spec = c.generate("The quick brown fox", max_tokens=12)
             plain = c.generate("The quick brown fox", max_tokens=12, speculation=False)
         assert spec.token_ids == plain.token_ids and spec.stats.speculative_steps > 0
-        with Client(up.addr, tls_ca=ca, api_key="", retries=0) as c, \
+        with Client(up.addr, tls_ca=ca, api_key="", retry_seconds=0) as c, \
                 pytest.raises(AuthenticationError):
             c.generate("Hi", max_tokens=2)
-        with Client(up.addr, retries=0, timeout=5) as c, \
+        with Client(up.addr, retry_seconds=0, timeout=5) as c, \
                 pytest.raises(Exception, match="UNAVAILABLE"):  # plaintext is refused
             c.generate("Hi", max_tokens=2)
         roles = service_processes(up.proc.pid)

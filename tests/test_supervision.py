@@ -243,7 +243,7 @@ def test_a_killed_router_is_restarted_and_clients_reconnect(up, reference):
     assert addr == up["addr"]
 
     async def meanwhile():  # the SDK's own retries on UNAVAILABLE ride out the restart
-        async with AsyncClient(up["addr"], retries=6) as client:
+        async with AsyncClient(up["addr"]) as client:
             return (await client.generate(PROMPTS[1], max_tokens=TOKENS)).token_ids
 
     results, late = asyncio.run(streams_with_a_fault(
@@ -292,3 +292,33 @@ def test_backoff_doubles_for_a_crash_loop_and_resets_after_serving(tmp_path, cap
     assert delays["verifier"] == [0.05, 0.05]
     exits = [r for r in caplog.records if r.getMessage() == "service exited; restarting it"]
     assert {(r.role, r.exit_code) for r in exits} == {("speculator", 3), ("verifier", 1)}
+
+
+def test_a_sigkilled_up_leaves_no_service_running(tiny_chat_llm):
+    """`up` killed with SIGKILL (no chance to stop anything): every service it started
+    ends too (the kernel tells them; they stop cleanly), none left as an orphan."""
+    up = start("up", "--llm", tiny_chat_llm, "--speculators", "1", "--ssm",
+               f"{tiny_chat_llm}#layers=1", "--datastore", "none", "--draft-head", "none",
+               "--http-port", "0", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+               start_new_session=True)
+    try:
+        up.wait()
+        pids = [pid for _, pid, _ in service_processes(up.proc.pid)]
+        assert len(pids) == 3, pids
+        os.kill(up.proc.pid, signal.SIGKILL)
+        up.proc.wait()
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.2)
+        assert not [pid for pid in pids if _alive(pid)]
+    finally:
+        if up.proc.poll() is None:
+            os.killpg(up.proc.pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by init, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -28,6 +28,8 @@ from specinfer.metrics import (
 
 LABEL = ["model_name"]
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+ROLES = ("verifier", "speculator")
 
 
 class RouterMetrics:
@@ -107,9 +109,20 @@ class RouterMetrics:
         self.structured = counter("structured_requests", "Requests with structured output, "
                                   "by constraint kind (json_schema, json_object, regex, "
                                   "choice, grammar, tools).", ("kind",))
+        # Series with known label values exist at 0 from the start: a panel or an alert
+        # over them reads 0, not "no data", before the first event.
         for kind in STRUCTURED_KINDS:
             self.structured.labels(kind=kind, **m)
+        for reason in FINISH_REASONS:
+            self.success.labels(finished_reason=reason, **m)
+        for role in ROLES:
+            self.failovers.labels(role=role, **m)
         self._labels = m
+
+    def known_modes(self, names: list[str]) -> None:
+        """The speculation modes' step counters, at 0 until their first step."""
+        for name in ("plain", *names):
+            self.steps.labels(mode=name, **self._labels)
 
     def watch_queues(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
         """Read the batch and queue sizes at scrape time."""

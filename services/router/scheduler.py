@@ -71,6 +71,7 @@ class Scheduler:
         self.queue_timeout_s = config.queue_timeout
         self.planner = StepPlanner(config, self.replicas, self.speculators, budgets)
         self.modes, self.policy = self.planner.modes, self.planner.policy
+        self.metrics.known_modes([m.name for m in self.modes])
         self.step_timeout_s = step_timeout_s
         self.waiting: list[GenRequest] = []
         self.running: list[GenRequest] = []
@@ -83,7 +84,7 @@ class Scheduler:
         self.prefetched: dict[str, tuple[int, StepPlan, common_pb2.TokenTree]] = {}
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
-        self.admitting: set[asyncio.Task] = set()  # Prefill calls under way
+        self.admitting: dict[str, asyncio.Task] = {}  # replica -> its Prefill under way
         self.step_mode = "plain"  # the running step's speculation mode, for its spans
         self.metrics.watch_queues(lambda: len(self.running), lambda: len(self.waiting))
         self.replicas.on_change = self.wake.set  # sequences may move (_move_off_leaving)
@@ -105,7 +106,7 @@ class Scheduler:
     async def close(self) -> None:
         if self.task:
             self.task.cancel()
-        for task in list(self.admitting):
+        for task in list(self.admitting.values()):
             task.cancel()
         # Free this router's KV slots now, not a lease later (a draining verifier waits
         # for them).
@@ -201,13 +202,16 @@ class Scheduler:
     # --- admit ------------------------------------------------------------------------
 
     async def _admit(self) -> None:
-        """Prefill waiting requests, up to the step's prompt-token budget (the first one is
-        always admitted, so a long prompt cannot starve)."""
+        """Start prefilling waiting requests, up to the step's prompt-token budget (the
+        first one is always admitted, so a long prompt cannot starve). One Prefill call per
+        replica at a time: a request for a replica with one under way waits for it, so it
+        finds that call's prompts cached (a shared prefix is computed once) and the steps
+        there share the engine with one prefill at most."""
         by_replica: dict[str, list[GenRequest]] = {}
         still, budget = [], self.prefill_token_budget
         for req in self.waiting:
             replica = self.replicas.pick(req) if budget > 0 else None
-            if replica is None:
+            if replica is None or replica.address in self.admitting:
                 still.append(req)
                 continue
             self.replicas.attach(req, replica)
@@ -215,10 +219,10 @@ class Scheduler:
             budget -= len(req.history)
             by_replica.setdefault(replica.address, []).append(req)
         self.waiting[:] = still
-        for reqs in by_replica.values():  # not awaited: running sequences keep stepping
+        for address, reqs in by_replica.items():  # not awaited: the batch keeps stepping
             task = asyncio.create_task(self._admitting(reqs))
-            self.admitting.add(task)
-            task.add_done_callback(self.admitting.discard)
+            self.admitting[address] = task
+            task.add_done_callback(lambda _, a=address: self.admitting.pop(a, None))
 
     async def _admitting(self, reqs: list[GenRequest]) -> None:
         """A Prefill call under way while the running batch steps (the verifier computes

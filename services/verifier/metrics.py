@@ -26,6 +26,8 @@ class VerifierMetrics:
         self.sequences = Gauge(PREFIX + "verifier_sequences",
                                "Sequences in the KV cache: live, or finished and kept for "
                                "their prefix (cached).", labels + ["state"], registry=r)
+        for state in ("live", "cached"):  # at 0 from the start, not from the first call
+            self.sequences.labels(state=state, **self._m)
         # vLLM's prefix-cache counters (tokens), with our prefix.
         self.prefix_queries = Counter(PREFIX + "prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.", labels,

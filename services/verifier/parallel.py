@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from services.parent import child_env, follow_parent
 from services.verifier.engine import EngineConfig, eos_ids, slot_len
 from services.verifier.executor import ForwardArgs
 from specinfer.errors import ServiceError, Unavailable
@@ -397,9 +398,10 @@ def _spawn_followers(ranks: range, tp: int, pp: int, meet: Rendezvous, threads: 
                      cuda: bool) -> list[subprocess.Popen]:
     """This node's other ranks, as child processes."""
     spec = json.dumps({"tp": tp, "pp": pp, "meet": asdict(meet), "threads": threads,
-                       "cuda": cuda, "parent": os.getpid()})
+                       "cuda": cuda})
     return [subprocess.Popen([sys.executable, "-m", "services.verifier.parallel",
-                              "--rank", str(r), "--spec", spec]) for r in ranks]
+                              "--rank", str(r), "--spec", spec], env=child_env())
+            for r in ranks]
 
 
 def start_ranks(llm: str, config: EngineConfig, tp: int, pp: int, micro_batches: int,
@@ -447,17 +449,6 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _exit_with_parent(parent: int) -> None:
-    """A follower blocked in a collective would outlive a killed parent: watch for it."""
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent:
-                os._exit(1)
-            time.sleep(1.0)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
 def main() -> None:
     from specinfer.logs import setup_logging
 
@@ -467,7 +458,10 @@ def main() -> None:
     args = p.parse_args()
     spec = json.loads(args.spec)
     setup_logging(f"verifier-rank{args.rank}")
-    _exit_with_parent(spec["parent"])
+    # A follower blocked in a collective would outlive a killed verifier: it ends with it
+    # (a short grace: it has nothing to drain; the verifier may start it from a thread
+    # that ends, so no kernel signal).
+    follow_parent(grace_s=1.0, kernel=False)
     worker = RankWorker({}, args.rank, spec["tp"], spec["pp"], Rendezvous(**spec["meet"]),
                         spec["threads"], spec["cuda"])
     worker.follow()
