@@ -48,7 +48,7 @@ def system_prompt(tokens: int) -> str:
 async def ask(client: AsyncClient, system: str, question: str, max_tokens: int, *,
               salt: str = "", speculation: bool = True, ignore_eos: bool = False) -> dict:
     """One streamed chat request: its tokens, time to first token, the gaps between its
-    tokens (with their times), and its usage."""
+    chunks (start, end, per token), and its usage."""
     sent = time.perf_counter()
     ids, gaps, first, last, end = [], [], None, None, None
     async for chunk in client.stream(messages=[{"role": "system", "content": system},
@@ -58,7 +58,8 @@ async def ask(client: AsyncClient, system: str, question: str, max_tokens: int, 
         now = time.perf_counter()
         if chunk.token_ids:
             if last is not None:
-                gaps += [(now, (now - last) / len(chunk.token_ids))] * len(chunk.token_ids)
+                gaps += [(last, now, (now - last) / len(chunk.token_ids))] * \
+                    len(chunk.token_ids)
             first = now - sent if first is None else first
             last = now
         ids += chunk.token_ids
@@ -111,15 +112,25 @@ def shared_prompt(users: int, flags: list[str]) -> dict:
 
 
 def routing(users: int, flags: list[str]) -> dict:
-    """Four system prompts (each ~500 tokens of different notes), users interleaved."""
+    """Four system prompts (~1,000 tokens of different notes each), users interleaved, short
+    questions and answers (16 tokens): the prompt's cost dominates."""
+    tok = load_tokenizer(DEFAULT_LLM)
     notes = mtbench_prompts(10)
-    systems = [f"You are assistant {k}. Notes:\n" + "\n".join(notes[k::4][:12]) for k in range(4)]
-    questions = mtbench_prompts(10)[::-1]
-    jobs = [(systems[i % 4], questions[i % len(questions)]) for i in range(users)]
+    systems = []
+    for k in range(4):
+        text = f"You are assistant {k}. Notes:\n"
+        for note in notes[k::4] + notes:
+            if len(tok.encode(text)) >= 1000:
+                break
+            text += note + "\n"
+        systems.append(text)
+    questions = [f"Question {i}: which note is the most useful, in one word?"
+                 for i in range(users)]
+    jobs = [(systems[i % 4], questions[i]) for i in range(users)]
     out = {}
     for mode in ("prefix", "load"):
         with Stack(flags + ["--verifiers", "2", "--routing", mode]) as stack:
-            run = asyncio.run(workload(stack.addr, jobs, 4, 32))
+            run = asyncio.run(workload(stack.addr, jobs, 4, 16))
         later = run["requests"][4:]  # after each prefix's first request
         out[mode] = {"tokens_per_s": run["tokens_per_s"],
                      "hit_rate_after_first": sum(r["cached"] for r in later)
@@ -149,8 +160,8 @@ async def _admission(addr: str, long_system: str) -> dict:
         admitted = await ask(client, long_system, "Summarise the notes.", 4, salt="cold")
         first = sent + admitted["ttft_s"]
         runs = await asyncio.gather(*streams)
-    before = [g for r in runs for t, g in r["gaps"] if t < sent]
-    during = [g for r in runs for t, g in r["gaps"] if sent <= t <= first]
+    before = [g for r in runs for _, end, g in r["gaps"] if end < sent]
+    during = [g for r in runs for start, end, g in r["gaps"] if end > sent and start < first]
     return {"itl_p90_without_s": _p90(before), "itl_p90_during_s": _p90(during),
             "gaps_during": len(during), "ttft_long_s": admitted["ttft_s"]}
 

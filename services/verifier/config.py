@@ -37,9 +37,9 @@ class VerifierConfig(Flags):
     max_context: int = flag(2048)
     slots: int = flag(8, "sequences held in the KV cache at once")
     max_tree_nodes: int = flag(64)
-    prefill_chunk: int = flag(256, "prompt tokens computed per engine call: a long prompt is "
-                              "prefilled a chunk at a time, the steps of live sequences in "
-                              "between", minimum=1)
+    prefill_chunk: int = flag(256, "prompt tokens computed per engine call while no sequence "
+                              "is live; while some are, a prefill computes about one step's "
+                              "time between their steps (at least 16 tokens)", minimum=1)
     no_prefix_caching: bool = flag(False, "turn off automatic prefix caching (finished "
                                    "sequences' KV kept and reused by prompts that share "
                                    "a prefix with it)")

@@ -146,6 +146,10 @@ class VerifierEngine:
         # and the slots they will take (counted against admission).
         self.prefilling: set[str] = set()
         self.reserved = 0
+        # Measured, as discounted sums [amount, seconds]: prompt tokens computed, and Step
+        # calls (the prefill budget while sequences are live: _prefill_budget).
+        self.prefill_rate = [0.0, 0.0]
+        self.step_rate = [0.0, 0.0]
         # Automatic prefix caching (prefix_cache.py); None: off (sessions still reuse).
         self.prefixes = PrefixIndex(config.block_size, f"{model_name}|{executor.dtype}") \
             if config.prefix_caching else None
@@ -293,7 +297,7 @@ class VerifierEngine:
         returns whether the call is done (its outputs in ``job.outs``). A sequence takes
         its slot (and its cached prefix) when its turn comes, so it may reuse the prefix
         of one computed before it in the same call."""
-        budget = self.config.prefill_chunk if budget is None else budget
+        budget = self._prefill_budget() if budget is None else budget
         left = budget or None
         for item in job.items:
             if item.out is not None:
@@ -307,8 +311,10 @@ class VerifierEngine:
                 size = self.config.prefill_chunk if left is None else min(
                     left, self.config.prefill_chunk)
                 chunk = prompt[item.done : item.done + size]
+                started = time.perf_counter()
                 item.logits = self._forward_chain(item.slot, item.done, chunk,
                                                   item.features is not None)
+                _discount_rate(self.prefill_rate, len(chunk), time.perf_counter() - started)
                 if item.features is not None:
                     item.features[item.done : item.done + len(chunk)] = \
                         self.executor.features[0]
@@ -320,6 +326,19 @@ class VerifierEngine:
             job.outs.append(item.out)
             self.prefilling.discard(item.spec.sequence_id)
         return True
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens for the next engine call of a Prefill: ``prefill_chunk`` while no
+        live sequence waits on this verifier; else about what computes in the time of one
+        step (the measured step time x prefill rate, at least ``MIN_PREFILL_TOKENS``), so a
+        running stream's next token waits at most about one more step for it."""
+        if not self.sequences or not self.step_rate[1]:
+            return self.config.prefill_chunk
+        step_s = self.step_rate[1] / self.step_rate[0]  # seconds per step
+        tokens_per_s = self.prefill_rate[0] / self.prefill_rate[1] if self.prefill_rate[1] \
+            else 0.0
+        return max(MIN_PREFILL_TOKENS, min(self.config.prefill_chunk,
+                                           int(step_s * tokens_per_s)))
 
     def abort_prefill(self, job: PrefillJob) -> None:
         """A Prefill call that ended before its job (the caller went away): the slots it
@@ -404,6 +423,14 @@ class VerifierEngine:
         seqs, budgets = self._check_step(items)
         if not items:  # an empty batch: nothing to run (a forward of none would fail)
             return []
+        started = time.perf_counter()
+        try:
+            return self._step(items, seqs, budgets)
+        finally:
+            _discount_rate(self.step_rate, 1, time.perf_counter() - started)
+
+    def _step(self, items: list[StepItem], seqs: list[SequenceState], budgets: list[int]
+              ) -> list[StepOut]:
         drafting_masks = sum(s.grammar.seconds for s in seqs if s.grammar)
         trees = self.drafts.trees(seqs, [it.draft for it in items], budgets,
                                   [it.tree for it in items])
@@ -609,6 +636,16 @@ class VerifierEngine:
             "draft_sources": self.drafts.describe(),
             "sequence_lease_seconds": self.config.sequence_lease_s,
         }
+
+
+MIN_PREFILL_TOKENS = 16  # a Prefill's least progress per engine call
+
+
+def _discount_rate(acc: list[float], amount: float, seconds: float,
+                   keep: float = 0.8) -> None:
+    """Discounted sums [amount, seconds]: their ratio is a recent rate."""
+    acc[0] = keep * acc[0] + amount
+    acc[1] = keep * acc[1] + seconds
 
 
 def slot_len(config: EngineConfig) -> int:
