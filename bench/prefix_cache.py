@@ -12,8 +12,9 @@
    cached after each prefix's first request, and tokens/s.
 4. Chunked prefill: 4 streams generating while a ~2,000-token prompt is admitted
    (``--max-context 4096``): the streams' inter-token gaps p90 without the admission and
-   during it, with the default ``--prefill-chunk`` and with one chunk of the whole prompt
-   (a prefill that blocks the steps, as before chunking).
+   during it, with the default ``--prefill-step-ratio 1`` (a prefill computes about one
+   step's time between two steps) and with ``0`` (the whole prompt at once, the steps
+   waiting for it: as before chunked prefill).
 
     python -m bench.prefix_cache [--users 32] [--parts 1,2,3,4] [--flags "..."]
 
@@ -143,7 +144,7 @@ def chunked_prefill(flags: list[str]) -> dict:
     tok = load_tokenizer(DEFAULT_LLM)
     long_system = system_prompt(2000)
     out = {"long_prompt_tokens": len(tok.encode(long_system))}
-    for name, extra in (("chunked", []), ("one_chunk", ["--prefill-chunk", "4096"])):
+    for name, extra in (("chunked", []), ("blocking", ["--prefill-step-ratio", "0"])):
         with Stack(flags + ["--max-context", "4096", *extra]) as stack:
             out[name] = asyncio.run(_admission(stack.addr, long_system))
     return out
@@ -195,7 +196,7 @@ def main() -> None:
                   f"{row['hit_rate_after_first']:.3f}, tokens/s {row['tokens_per_s']:.1f}")
     if "4" in parts:
         report["chunked_prefill"] = chunked_prefill(flags)
-        for name in ("chunked", "one_chunk"):
+        for name in ("chunked", "blocking"):
             row = report["chunked_prefill"][name]
             print(f"prefill {name:<9} ITL p90 without {row['itl_p90_without_s']:.3f} s, "
                   f"during a {report['chunked_prefill']['long_prompt_tokens']}-token "

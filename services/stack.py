@@ -70,8 +70,8 @@ class UpConfig(Flags):
                               "auto, none or a directory (see serve verifier)")
     no_prefix_caching: bool = forward(VerifierConfig, "no_prefix_caching",
                                       help="turn off the verifiers' automatic prefix caching")
-    prefill_chunk: int = forward(VerifierConfig, "prefill_chunk",
-                                 help="prompt tokens a verifier computes between two steps")
+    prefill_chunk: int = forward(VerifierConfig, "prefill_chunk")
+    prefill_step_ratio: float = forward(VerifierConfig, "prefill_step_ratio")
     datastore: str = forward(VerifierConfig, "datastore", to=MODEL_SERVICES,
                              help="the speculators' and verifiers' corpus drafts: auto, none "
                              "or a saved .npz")

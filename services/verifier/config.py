@@ -38,8 +38,12 @@ class VerifierConfig(Flags):
     slots: int = flag(8, "sequences held in the KV cache at once")
     max_tree_nodes: int = flag(64)
     prefill_chunk: int = flag(256, "prompt tokens computed per engine call while no sequence "
-                              "is live; while some are, a prefill computes about one step's "
-                              "time between their steps (at least 16 tokens)", minimum=1)
+                              "is live (a prefill is computed a chunk at a time)", minimum=1)
+    prefill_step_ratio: float = flag(1.0, "while sequences are live, a prefill computes this "
+                                     "many of their steps' time between two of their steps "
+                                     "(their next token waits that much longer; at least 16 "
+                                     "tokens); 0: the whole prompt at once (they wait for "
+                                     "it)", minimum=0)
     no_prefix_caching: bool = flag(False, "turn off automatic prefix caching (finished "
                                    "sequences' KV kept and reused by prompts that share "
                                    "a prefix with it)")

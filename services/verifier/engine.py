@@ -328,17 +328,20 @@ class VerifierEngine:
         return True
 
     def _prefill_budget(self) -> int:
-        """Prompt tokens for the next engine call of a Prefill: ``prefill_chunk`` while no
-        live sequence waits on this verifier; else about what computes in the time of one
-        step (the measured step time x prefill rate, at least ``MIN_PREFILL_TOKENS``), so a
-        running stream's next token waits at most about one more step for it."""
+        """Prompt tokens for the next engine call of a Prefill (0: all): ``prefill_chunk``
+        while no live sequence waits on this verifier; else about what computes in
+        ``prefill_step_ratio`` steps' time (the measured step time x prefill rate, at least
+        ``MIN_PREFILL_TOKENS``), so a running stream's next token waits about that much
+        longer, not for the whole prompt."""
         if not self.sequences or not self.step_rate[1]:
             return self.config.prefill_chunk
+        if self.config.prefill_step_ratio <= 0:
+            return 0
         step_s = self.step_rate[1] / self.step_rate[0]  # seconds per step
         tokens_per_s = self.prefill_rate[0] / self.prefill_rate[1] if self.prefill_rate[1] \
             else 0.0
-        return max(MIN_PREFILL_TOKENS, min(self.config.prefill_chunk,
-                                           int(step_s * tokens_per_s)))
+        tokens = int(self.config.prefill_step_ratio * step_s * tokens_per_s)
+        return max(MIN_PREFILL_TOKENS, min(self.config.prefill_chunk, tokens))
 
     def abort_prefill(self, job: PrefillJob) -> None:
         """A Prefill call that ended before its job (the caller went away): the slots it

@@ -23,6 +23,7 @@ def run(config: VerifierConfig) -> int:
     engine_config = EngineConfig(
         max_context=config.max_context, slots=config.slots,
         max_tree_nodes=config.max_tree_nodes, prefill_chunk=config.prefill_chunk,
+        prefill_step_ratio=config.prefill_step_ratio,
         head_expansion=config.head_widths(), head_dynamic=config.head_tree == "dynamic",
         head_nodes=config.head_nodes, sequence_lease_s=config.sequence_lease,
         prefix_caching=not config.no_prefix_caching, block_size=config.block_size)
