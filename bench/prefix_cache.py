@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shlex
 import statistics
 import time
@@ -206,8 +207,10 @@ def main() -> None:
         for row in part.values() if isinstance(part, dict) else ():
             if isinstance(row, dict):
                 row.pop("requests", None)
-    write_report(Path("bench/results") / f"prefix-cache-{date.today().isoformat()}"
-                 / "report.json", report)
+    out = Path("bench/results") / f"prefix-cache-{date.today().isoformat()}" / "report.json"
+    if out.exists():  # a run of some parts updates the day's report, keeping the others
+        report = {**json.loads(out.read_text()), **report}
+    write_report(out, report)
 
 
 if __name__ == "__main__":

@@ -53,3 +53,37 @@ def test_the_index_is_bounded_and_cleared():
     prefixes.clear()
     assert prefixes.matched(list(range(500, 532)) + [1], "") == 0
     assert ReplicaPrefixes().matched(SYSTEM + [1], "") == 0  # caching off there
+
+
+def test_the_router_picks_the_holder_and_forgets_a_replica_discovery_removed():
+    """Through ReplicaSet.pick: a prompt goes to the replica its prefix was sent to (the
+    router learns it at pick time); once discovery drops that replica, it and its index
+    are gone and the next such prompt goes by load."""
+    import asyncio
+
+    from services.router.metrics import RouterMetrics
+    from services.router.replicas import ReplicaSet
+    from services.router.request import GenRequest
+    from specinfer.sampling import SamplingParams
+
+    async def run() -> list[str]:
+        replicas = ReplicaSet([], RouterMetrics(), prefix_load_margin=0.25)
+        replicas.update(frozenset({"10.0.0.1:1", "10.0.0.2:1"}))
+        for r in replicas.replicas:  # as if their Info had answered
+            r.joined, r.capacity, r.prefixes = True, 8, ReplicaPrefixes(16, 1000)
+        chosen = []
+        for k in range(3):
+            req = GenRequest(SYSTEM + [k], 8, SamplingParams())
+            replica = replicas.pick(req)
+            chosen.append((replica.address, req.routing))
+        first = chosen[0][0]
+        replicas.update(frozenset({"10.0.0.1:1", "10.0.0.2:1"} - {first}))
+        replicas.forget_removed(close_after_s=0)
+        req = GenRequest(SYSTEM + [9], 8, SamplingParams())
+        last = replicas.pick(req)
+        await replicas.close()
+        return [*chosen, (last.address, req.routing), first]
+
+    *chosen, last, first = asyncio.run(run())
+    assert chosen[0][1] == "load" and chosen[1:] == [(first, "prefix")] * 2
+    assert last[0] != first and last[1] == "load"
