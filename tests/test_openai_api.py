@@ -63,6 +63,8 @@ def stack(processes, tiny_chat_llm):
     (b'{"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}',
      "tools"),
     (b'{"prompt": "hi", "tool_choice": "auto"}', "tool_choice"),
+    (b'{"prompt": "hi", "cache_salt": 7}', "cache_salt"),
+    (b'{"prompt": "hi", "cache_salt": "' + b"s" * 257 + b'"}', "cache_salt"),
     (b'{"prompt": "hi", "best_of": 3}', "best_of"),
     (b'{"prompt": "hi", "echo": true}', "echo"),
     (b'{"prompt": "hi", "suffix": "end"}', "suffix"),
