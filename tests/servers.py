@@ -9,11 +9,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -187,3 +189,36 @@ def http_post(url: str, data: bytes) -> tuple[int, dict]:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
+
+
+@contextmanager
+def prometheus(targets: dict[str, str], workdir: Path, labels: dict[str, str] | None = None
+               ) -> Iterator[str]:
+    """Debian's Prometheus scraping ``targets`` (job -> ``http://host:port/metrics``) every
+    second, its data in ``workdir``; yields its base URL once ready, stopped on exit."""
+    config = {"global": {"scrape_interval": "1s"}, "scrape_configs": [
+        {"job_name": job, "metrics_path": "/" + url.split("//", 1)[1].split("/", 1)[1],
+         "static_configs": [{"targets": [url.split("//", 1)[1].split("/", 1)[0]],
+                             "labels": labels or {}}]}
+        for job, url in targets.items()]}
+    (workdir / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    port = free_port()
+    proc = subprocess.Popen(["prometheus", f"--config.file={workdir / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={workdir / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+

@@ -10,7 +10,6 @@ import math
 import re
 import secrets
 import shutil
-import subprocess
 import threading
 import time
 import urllib.parse
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from servers import free_port
+from servers import free_port, prometheus
 
 from bench.otlp_receiver import OtlpReceiver, poll
 from specinfer.client import Client
@@ -371,28 +370,9 @@ def test_a_real_prometheus_stores_every_series_the_dashboard_queries(stack, tmp_
     OpenMetrics) under a load that touches every panel; every query of the Grafana
     dashboard and the chart's KEDA trigger query returns a finite sample through its HTTP
     API, so the names it stored are the names the docs and the dashboard use."""
-    port = free_port()
-    targets = {"router": stack["http"], "verifier": stack["verifier_metrics"],
+    targets = {"router": f"{stack['http']}/metrics", "verifier": stack["verifier_metrics"],
                "speculator": stack["speculator_metrics"]}
-    config = {"global": {"scrape_interval": "1s"}, "scrape_configs": [
-        {"job_name": job, "metrics_path": "/metrics", "static_configs": [{
-            "targets": [url.split("//")[1].split("/")[0]],
-            "labels": {"namespace": "specinfer-test"}}]}
-        for job, url in targets.items()]}
-    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if urllib.request.urlopen(f"{base}/-/ready", timeout=2).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.3)
+    with prometheus(targets, tmp_path, {"namespace": "specinfer-test"}) as base:
         with Client(stack["addr"]) as c:  # load over several scrapes
             end = time.monotonic() + 8
             while time.monotonic() < end:
@@ -417,6 +397,3 @@ def test_a_real_prometheus_stores_every_series_the_dashboard_queries(stack, tmp_
                   for r in _prom_query(base, f'{{__name__=~"specinfer.*", job="{job}"}}')}
         assert "specinfer:kv_cache_usage_perc" in stored, sorted(stored)
         assert not any(n.startswith("specinfer_") for n in stored), sorted(stored)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
