@@ -15,8 +15,10 @@
    during it, with the default ``--prefill-step-ratio 1`` (a prefill computes about one
    step's time between two steps) and with ``0`` (the whole prompt at once, the steps
    waiting for it: as before chunked prefill).
+5. ``copy``, in process: what reusing a cached prefix costs (the KV copy between slots)
+   against computing it.
 
-    python -m bench.prefix_cache [--users 32] [--parts 1,2,3,4] [--flags "..."]
+    python -m bench.prefix_cache [--users 32] [--parts 1,2,3,4,copy] [--flags "..."]
 
 Writes bench/results/prefix-cache-<date>/report.json (and prints the tables)."""
 
@@ -168,6 +170,29 @@ async def _admission(addr: str, long_system: str) -> dict:
             "gaps_during": len(during), "ttft_long_s": admitted["ttft_s"]}
 
 
+def copy_cost() -> dict:
+    """In process: ``executor.copy`` of a 1,000- and a 2,000-token prefix between slots
+    (median of 7), and computing 1,000 prompt tokens in 256-token chunks."""
+    from services.verifier.engine import EngineConfig
+    from services.verifier.factory import build_engine
+
+    engine = build_engine(DEFAULT_LLM, EngineConfig(max_context=2048, slots=4))
+    out = {}
+    for n in (1000, 2000):
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            engine.executor.copy(0, 1, n)
+            times.append(time.perf_counter() - start)
+        out[f"copy_{n}_ms"] = statistics.median(times) * 1e3
+    prompt = [(7 * i) % 30000 + 100 for i in range(1000)]
+    start = time.perf_counter()
+    for s in range(0, 1000, 256):
+        engine._forward_chain(2, s, prompt[s:s + 256])
+    out["compute_1000_ms"] = (time.perf_counter() - start) * 1e3
+    return out
+
+
 def _p90(values: list[float]) -> float | None:
     return statistics.quantiles(values, n=10)[-1] if len(values) >= 2 else None
 
@@ -175,7 +200,7 @@ def _p90(values: list[float]) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--users", type=int, default=32)
-    parser.add_argument("--parts", default="1,2,3,4", help="which of the four to run")
+    parser.add_argument("--parts", default="1,2,3,4,copy", help="which parts to run")
     parser.add_argument("--flags", default="", help="more `specinfer up` flags")
     args = parser.parse_args()
     flags, parts = shlex.split(args.flags), set(args.parts.split(","))
@@ -203,6 +228,12 @@ def main() -> None:
                   f"during a {report['chunked_prefill']['long_prompt_tokens']}-token "
                   f"admission {row['itl_p90_during_s']:.3f} s; its TTFT "
                   f"{row['ttft_long_s']:.2f} s")
+    if "copy" in parts:
+        report["kv_copy"] = copy_cost()
+        c = report["kv_copy"]
+        print(f"prefix copy: {c['copy_1000_ms']:.1f} ms for 1,000 tokens, "
+              f"{c['copy_2000_ms']:.1f} ms for 2,000; computing 1,000: "
+              f"{c['compute_1000_ms']:.0f} ms")
     for part in report.values():  # the per-request records are large: not kept
         for row in part.values() if isinstance(part, dict) else ():
             if isinstance(row, dict):

@@ -19,7 +19,7 @@ For a step it shapes the sequence's token tree and gives each tree row its mask:
   what plain constrained decoding sees at that position, so greedy verification and MSS
   stay exact.
 
-A drafter masks at the source (``allowed_after``): it drafts each node's children from its
+A drafter masks at the source (``allowed_words``): it drafts each node's children from its
 own distribution restricted to what the grammar allows after that node's path, and records
 that masked, renormalised distribution as the drafts' ``q``, so a sampled draft the grammar
 forbids is never drawn. The masks it computes for a step are kept (by path) until the
@@ -137,7 +137,7 @@ class SequenceGrammar:
         # Masks computed this step, by draft path below the root (drafters, then shape).
         self._memo: dict[tuple[int, ...], torch.Tensor] = {}
         self._lock = threading.Lock()
-        self.seconds = 0.0  # spent in ``allowed_after`` (the drafters' masks)
+        self.seconds = 0.0  # spent in ``allowed_words`` (the drafters' masks)
 
     @property
     def finished(self) -> bool:
@@ -169,10 +169,10 @@ class SequenceGrammar:
         self.fill(masks, row)
         self._memo[path] = masks[row].clone()
 
-    def allowed_after(self, path: Sequence[int]) -> torch.Tensor:
+    def allowed_words(self, path: Sequence[int]) -> torch.Tensor:
         """The tokens the grammar allows after the sequence's tokens and ``path`` (draft
-        tokens below the root), a bool per token id; none if ``path`` leaves the grammar.
-        The matcher ends in the state it started in."""
+        tokens below the root), as a bitmask row (``token_bits`` reads it); none if
+        ``path`` leaves the grammar. The matcher ends in the state it started in."""
         start = time.perf_counter()
         key = tuple(path)
         with self._lock:  # drafters on several threads (a speculator's SSMs) share it
@@ -190,7 +190,7 @@ class SequenceGrammar:
                     self.matcher.rollback(len(key))
                 self._memo[key] = words
             self.seconds += time.perf_counter() - start
-        return unpack(words.view(1, -1), self.vocab_size)[0]
+        return words
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Consume accepted tokens (each was allowed: its row was masked). Once the grammar
@@ -287,6 +287,13 @@ def _bit(k: int) -> int:
     return (1 << k) - (1 << 32) if k == 31 else 1 << k
 
 
+def token_bits(words: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Whether each token of ``ids [..., M]`` is allowed by its row of bitmask ``words [...,
+    W]`` (a bool each): the bits a drafter checks for its candidates only."""
+    ids = ids.long()
+    return ((words.gather(-1, ids >> 5) >> (ids & 31)) & 1).bool()
+
+
 def unpack(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bitmask rows ``[R, words]`` as bools ``[R, vocab_size]``."""
     return ((masks.unsqueeze(-1) >> _BITS) & 1).view(masks.shape[0], -1)[:, :vocab_size].bool()
@@ -314,4 +321,4 @@ def mask_logits(processed: torch.Tensor, raw: torch.Tensor, masks: torch.Tensor)
 
 
 __all__ = ["FORCED_SOURCE", "GrammarCompiler", "InvalidConstraint", "SequenceGrammar",
-           "allowed", "compiler_for", "apply_masks", "mask_logits", "unpack"]
+           "allowed", "apply_masks", "compiler_for", "mask_logits", "token_bits", "unpack"]

@@ -214,7 +214,7 @@ def test_constrained_drafts_are_masked_by_the_grammar(tiny_chat_llm):
     new tokens and gives the trees a fresh engine gives; a released sequence's matcher is
     dropped; a history the constraint does not follow leaves the drafts unmasked."""
     from specinfer.constraints import Constraint
-    from specinfer.grammar import compiler_for
+    from specinfer.grammar import allowed, compiler_for
     from specinfer.models import llm_eos_ids, load_tokenizer
 
     def engine():
@@ -237,7 +237,7 @@ def test_constrained_drafts_are_masked_by_the_grammar(tiny_chat_llm):
             assert len(tree) >= 3
             for node in range(len(tree)):
                 path = tree.path_tokens(node)
-                assert grammar.allowed_after(path[:-1])[path[-1]], path
+                assert allowed(grammar.allowed_words(path[:-1]), path[-1]), path
         warm.forget(["s"])
         assert "s" not in warm.sequence_grammars
     off = SpeculateSpec("t", prompt + tok.encode("maybe"), SamplingParams(), constraint=c,

@@ -24,6 +24,7 @@ from specinfer.constraints import Constraint, InvalidConstraint
 from specinfer.drafting import DraftPlan, DraftRequest
 from specinfer.drafting.ssm import SSMDrafter
 from specinfer.errors import InvalidArgument
+from specinfer.grammar import allowed
 from specinfer.models import load_model, load_tokenizer
 from specinfer.placement import resolve
 from specinfer.sampling import SamplingParams
@@ -186,17 +187,17 @@ def test_drafts_are_masked_at_the_source(tiny_chat_llm, chat_engine, tokenizer):
             gen = None if params.greedy else torch.Generator().manual_seed(5)
             return ssm.propose([DraftRequest("s", prompt, [3, 2, 1], params, gen,
                                              allowed=allowed)])[0]
-        tree = draft(grammar.allowed_after)
+        tree = draft(grammar.allowed_words)
         assert len(tree) >= 3
         for node in range(len(tree)):
             path = tree.path_tokens(node)
-            mask = grammar.allowed_after(path[:-1])
-            assert mask[path[-1]], (node, path)
+            mask = grammar.allowed_words(path[:-1])
+            assert allowed(mask, path[-1]), (node, path)
             for d in tree.drafts[node]:
-                assert all(mask[t] for t in d.q_ids)
+                assert all(allowed(mask, t) for t in d.q_ids)
                 assert abs(sum(d.q_probs) - 1) < 1e-6
         free = draft(None)
-        assert any(not grammar.allowed_after(free.path_tokens(n)[:-1])[free.tokens[n]]
+        assert any(not allowed(grammar.allowed_words(free.path_tokens(n)[:-1]), free.tokens[n])
                    for n in range(len(free)))
 
 

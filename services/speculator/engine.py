@@ -158,7 +158,7 @@ class SpeculatorEngine:
                 DraftRequest(specs[i].sequence_id, specs[i].context,
                              specs[i].expansion or self.expansion, specs[i].params,
                              _generator(specs[i], source), specs[i].dynamic, shares[i],
-                             allowed=grammars[i].allowed_after if grammars[i] else None)
+                             allowed=grammars[i].allowed_words if grammars[i] else None)
                 for i in drafting])
 
         if drafting:

@@ -116,7 +116,7 @@ class OwnDrafts:
         return DraftRequest(seq.id, seq.tokens, params=seq.params, generator=seq.generator,
                             max_nodes=nodes, features=seq.features[: seq.cached]
                             if source.needs_features else None,
-                            allowed=seq.grammar.allowed_after if seq.grammar else None)
+                            allowed=seq.grammar.allowed_words if seq.grammar else None)
 
     def forget(self, sequence_id: str) -> None:
         for source in self.by_name.values():

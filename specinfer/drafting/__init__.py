@@ -40,9 +40,10 @@ class DraftRequest:
     # context token but the root, ``[len(context) - 1, hidden]``.
     features: torch.Tensor | None = None
     # A constrained sequence's grammar, for drafting at the source: the tokens it allows
-    # after the root and a path of draft tokens below it (bool per LLM token id). A drafter
-    # that takes it drafts only allowed tokens and records its distribution masked and
-    # renormalised as their proposals; None: no constraint.
+    # after the root and a path of draft tokens below it (a bitmask row over LLM token ids,
+    # ``specinfer.grammar.token_bits`` reads it). A drafter that takes it drafts only
+    # allowed tokens and records its distribution masked and renormalised as their
+    # proposals; None: no constraint.
     allowed: Callable[[Sequence[int]], torch.Tensor] | None = None
 
 

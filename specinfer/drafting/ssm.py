@@ -24,10 +24,15 @@ import torch
 
 from specinfer.drafting import DraftRequest
 from specinfer.errors import check_token_ids
+from specinfer.grammar import token_bits
 from specinfer.placement import Placement
 from specinfer.runtime import LlamaRuntime
 from specinfer.sampling import SamplingParams, target_probs
 from specinfer.tree import ROOT, TokenTree, TreeBatch, expand_level
+
+# A constrained node's children come from the drafter's likeliest tokens the grammar allows
+# among this many (SSMDrafter._masked).
+GRAMMAR_CANDIDATES = 64
 
 
 class SSMDrafter:
@@ -150,16 +155,29 @@ class SSMDrafter:
 
     def _masked(self, logits: torch.Tensor, tree: TokenTree, frontier: list[int],
                 req: DraftRequest) -> tuple[torch.Tensor, list[int]]:
-        """The frontier rows' logits with what the request's grammar forbids after each
-        node at -inf (columns mapped for a reduced vocabulary), without the rows where it
-        allows none of this drafter's tokens; and the frontier nodes kept."""
-        allowed = torch.stack([req.allowed(tree.path_tokens(u) if u != ROOT else [])
-                               for u in frontier])
-        if self.vocab_ids is not None:
-            allowed = allowed[:, self.vocab_ids]
-        keep = allowed.any(-1).nonzero().flatten()
-        logits = logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
-        return logits[keep.to(logits.device)], [frontier[i] for i in keep.tolist()]
+        """The frontier rows' logits restricted to what the request's grammar allows after
+        each node: its ``GRAMMAR_CANDIDATES`` likeliest tokens that the grammar allows (all
+        of them where it allows none of those), the rest at -inf; without the rows where it
+        allows none of this drafter's tokens; and the frontier nodes kept. Any proposal
+        keeps MSS exact as long as it is the one sampled from and recorded; the candidates'
+        bits are read from the mask, not a whole vocabulary's."""
+        words = torch.stack([req.allowed(tree.path_tokens(u) if u != ROOT else [])
+                             for u in frontier])
+        logits = logits.float()
+        columns = torch.topk(logits, min(GRAMMAR_CANDIDATES, logits.shape[-1]), dim=-1).indices
+        ok = token_bits(words, self._token_ids(columns.cpu())).to(logits.device)
+        masked = torch.full_like(logits, float("-inf")).scatter_(
+            1, columns, logits.gather(1, columns).masked_fill(~ok, float("-inf")))
+        for row in (~ok.any(-1)).nonzero().flatten().tolist():  # rare: every column
+            every = torch.arange(logits.shape[-1])
+            allowed = token_bits(words[row], self._token_ids(every)).to(logits.device)
+            masked[row] = logits[row].masked_fill(~allowed, float("-inf"))
+        keep = torch.isfinite(masked).any(-1).nonzero().flatten()
+        return masked[keep], [frontier[i] for i in keep.tolist()]
+
+    def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """The LLM token ids of head columns (a reduced vocabulary maps them)."""
+        return columns if self.vocab_ids is None else self.vocab_ids[columns]
 
     def _draft_probs(self, logits: torch.Tensor, req: DraftRequest) -> torch.Tensor:
         if req.params.greedy:
