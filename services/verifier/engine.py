@@ -310,6 +310,11 @@ class VerifierEngine:
             while item.done < len(prompt) and (left is None or left > 0):
                 size = self.config.prefill_chunk if left is None else min(
                     left, self.config.prefill_chunk)
+                if left is not None and len(prompt) - item.done <= self.config.prefill_chunk // 2:
+                    # The rest of a prompt this short in one call: a call costs ~35 ms of
+                    # weight reads before its first token on this CPU, so splitting a short
+                    # prompt cost 4-stream MT-Bench ~8% of its throughput (and its TTFT).
+                    size = len(prompt) - item.done
                 chunk = prompt[item.done : item.done + size]
                 started = time.perf_counter()
                 item.logits = self._forward_chain(item.slot, item.done, chunk,
@@ -332,7 +337,8 @@ class VerifierEngine:
         while no live sequence waits on this verifier; else about what computes in
         ``prefill_step_ratio`` steps' time (the measured step time x prefill rate, at least
         ``MIN_PREFILL_TOKENS``), so a running stream's next token waits about that much
-        longer, not for the whole prompt."""
+        longer, not for the whole prompt. (A prompt's rest of at most half
+        ``prefill_chunk`` goes in one call whatever the budget.)"""
         if not self.sequences or not self.step_rate[1]:
             return self.config.prefill_chunk
         if self.config.prefill_step_ratio <= 0:
