@@ -12,7 +12,7 @@
    cached after each prefix's first request, and tokens/s.
 4. Chunked prefill: 4 streams generating while a ~2,000-token prompt is admitted
    (``--max-context 4096``): the streams' inter-token gaps p90 without the admission and
-   during it, with the default ``--prefill-step-ratio 1`` (a prefill computes about one
+   during it, with the default ``--prefill-step-ratio`` (a prefill computes about half a
    step's time between two steps) and with ``0`` (the whole prompt at once, the steps
    waiting for it: as before chunked prefill).
 5. ``copy``, in process: what reusing a cached prefix costs (the KV copy between slots)

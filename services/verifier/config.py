@@ -39,7 +39,7 @@ class VerifierConfig(Flags):
     max_tree_nodes: int = flag(64)
     prefill_chunk: int = flag(256, "prompt tokens computed per engine call while no sequence "
                               "is live (a prefill is computed a chunk at a time)", minimum=1)
-    prefill_step_ratio: float = flag(1.0, "while sequences are live, a prefill computes this "
+    prefill_step_ratio: float = flag(0.5, "while sequences are live, a prefill computes this "
                                      "many of their steps' time between two of their steps "
                                      "(their next token waits that much longer; at least 16 "
                                      "tokens); 0: the whole prompt at once (they wait for "

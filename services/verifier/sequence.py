@@ -24,7 +24,7 @@ class EngineConfig:
     prefill_chunk: int = 256
     # While sequences are live: a prefill's engine time between two of their steps, as a
     # multiple of the step time (0: the whole prompt at once, steps wait for it).
-    prefill_step_ratio: float = 1.0
+    prefill_step_ratio: float = 0.5
     # A live sequence no call has touched for this long is freed: its router died (a
     # router steps every sequence it holds far more often). 0 = never.
     sequence_lease_s: float = 30.0
