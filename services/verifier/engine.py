@@ -292,8 +292,8 @@ class VerifierEngine:
         return job
 
     def advance_prefill(self, job: PrefillJob, budget: int | None = None) -> bool:
-        """Compute the next ``budget`` prompt tokens of a Prefill call (default
-        ``prefill_chunk``; 0: all of it), finishing each sequence whose prompt is done;
+        """Compute the next ``budget`` prompt tokens of a Prefill call (default:
+        ``_prefill_budget``; 0: all of it), finishing each sequence whose prompt is done;
         returns whether the call is done (its outputs in ``job.outs``). A sequence takes
         its slot (and its cached prefix) when its turn comes, so it may reuse the prefix
         of one computed before it in the same call."""
