@@ -92,7 +92,7 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        pass  # a scrape a second would flood the logs
+        """Not logged: a scrape a second would flood the logs."""
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> None:

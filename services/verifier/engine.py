@@ -1,4 +1,5 @@
-"""The verifier engine: sequences, KV slots, prefill, tree verification, decoding.
+"""The verifier engine: sequences, KV slots, tree verification, decoding (admission and
+prefill: ``prefill.py``, which it inherits).
 
 Cache invariant: between calls a sequence's cache slot holds every token of the sequence
 except its last generated one (the *root*); the next Step feeds the root together with
@@ -21,18 +22,23 @@ import torch
 
 from services.verifier.executor import Executor, ForwardArgs
 from services.verifier.own_drafts import OwnDrafts
+from services.verifier.prefill import (  # noqa: F401 (PrefillSpec, PrefillOut: the engine's API)
+    Prefiller,
+    PrefillJob,
+    PrefillOut,
+    PrefillSpec,
+    discount_rate,
+)
 from services.verifier.prefix_cache import PrefixIndex
 from services.verifier.sequence import EngineConfig, SequenceState, SessionEntry
-from specinfer.constraints import Constraint, InvalidConstraint
 from specinfer.drafting import DraftPlan, OwnSource
 from specinfer.errors import (
     InvalidArgument,
     NotFound,
     OutOfRange,
-    ResourceExhausted,
     check_token_ids,
 )
-from specinfer.grammar import GrammarCompiler, SequenceGrammar, mask_logits
+from specinfer.grammar import GrammarCompiler, mask_logits
 from specinfer.models import eos_list
 from specinfer.sampling import (
     SamplingParams,
@@ -46,46 +52,6 @@ from specinfer.tree import TokenTree, TreeBatch
 from specinfer.verification import Accepted, verify_batch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefillSpec:
-    sequence_id: str
-    token_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    session_id: str = ""
-    prompt_length: int | None = None  # None: all of token_ids (else the rest was generated)
-    constraint: Constraint | None = None  # structured output
-    cache_salt: str = ""  # prefixes are reused only between sequences with the same salt
-
-
-@dataclass
-class PrefillOut:
-    sequence_id: str
-    token: int
-    reused_tokens: int  # prompt tokens whose KV was cached already (not computed)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # [] unless asked for
-
-
-@dataclass
-class PendingPrefill:
-    """One sequence of a Prefill call under way: its slot once taken, and how many of
-    its prompt's tokens are in the cache (reused or computed)."""
-
-    spec: PrefillSpec
-    grammar: SequenceGrammar | None
-    slot: int | None = None
-    done: int = 0
-    reused: int = 0
-    features: torch.Tensor | None = None
-    logits: torch.Tensor | None = None  # after the last token computed
-    out: PrefillOut | None = None
-
-
-@dataclass
-class PrefillJob:
-    items: list[PendingPrefill]
-    outs: list[PrefillOut] = field(default_factory=list)
 
 
 @dataclass
@@ -114,7 +80,7 @@ class StepOut:
     next_draft: TokenTree | None = None  # the shadow tree for the next step, if asked for
 
 
-class VerifierEngine:
+class VerifierEngine(Prefiller):
     def __init__(self, executor: Executor, config: EngineConfig, model_name: str = "",
                  eos_token_ids: list[int] | None = None,
                  sources: Sequence[OwnSource] = (),
@@ -171,63 +137,6 @@ class VerifierEngine:
         """Tokens finished sequences' kept slots hold for their prefixes."""
         return sum(len(e.tokens) for e in self.kept.values())
 
-    def _take_slot(self, spec: PrefillSpec, spare: int | None = None
-                   ) -> tuple[int, int, torch.Tensor | None]:
-        """A slot for a new sequence and how many of its prompt's leading tokens' KV it
-        holds already: its session's kept slot (what it still shares with the prompt), or
-        the longest cached prefix (prefix_cache.py) copied into a free slot, else into the
-        least recently used kept slot; a kept slot holding the prefix is taken as it is
-        when no other is left. Returns the slot, the tokens reused and, with a draft head,
-        the features of the sequence's tokens (the reused ones filled in)."""
-        prompt = spec.token_ids
-        limit = len(prompt) - 1  # the last token is always computed: its logits pick
-        features = self.drafts.feature_buffer(self.config.max_context) \
-            if self.drafts.needs_features else None
-        entry = self.kept.get(spec.session_id) if spec.session_id else None
-        if entry is not None and entry.salt == spec.cache_salt:
-            del self.kept[spec.session_id]
-            reuse = 0
-            while reuse < min(len(entry.tokens), limit) and entry.tokens[reuse] == prompt[reuse]:
-                reuse += 1
-            return self._reuse(entry.slot, entry.slot, reuse, entry.features, features)
-        source, reuse = None, 0
-        if self.prefixes is not None:
-            reuse, source = self.prefixes.lookup(prompt, spec.cache_salt)
-        owner = next((k for k, e in self.kept.items() if e.slot == source), None)
-        if self.free_slots:
-            slot = self.free_slots.pop()
-        else:
-            victims = [k for k in self.kept if k != owner]
-            if not victims and owner is None:
-                raise ResourceExhausted(
-                    f"KV cache full: {len(self.sequences)} live sequences hold all "
-                    f"{self.config.slots} slots ({self.capacity_tokens} tokens); retry later")
-            key = victims[0] if victims else owner  # the prefix's own slot, as it is
-            slot = self.kept.pop(key).slot
-            if key != owner:
-                log.info("evicting a kept prefix to admit a sequence",
-                         extra={"tokens": 0 if owner is None else reuse})
-        src_features = None
-        if source is not None:
-            holder = self.kept.get(owner) if owner is not None else next(
-                (s for s in self.sequences.values() if s.slot == source), None)
-            src_features = holder.features if holder is not None else None
-        return self._reuse(source if reuse else slot, slot, reuse, src_features, features)
-
-    def _reuse(self, source: int | None, slot: int, reuse: int,
-               src_features: torch.Tensor | None, features: torch.Tensor | None
-               ) -> tuple[int, int, torch.Tensor | None]:
-        """``slot`` holding ``source``'s first ``reuse`` tokens' KV (and features)."""
-        if self.prefixes is not None:
-            self.prefixes.drop(slot)  # it is about to be written
-        if reuse and source != slot:
-            self.executor.copy(source, slot, reuse)
-        if features is not None and reuse:
-            if src_features is None:  # no features to reuse: compute them with the rest
-                return slot, 0, features
-            features[:reuse] = src_features[:reuse]
-        return slot, reuse, features
-
     # --- validation -------------------------------------------------------------------
 
     def _live(self, name: str, sequence_id: str) -> SequenceState:
@@ -241,180 +150,12 @@ class VerifierEngine:
         if len(set(ids)) != len(ids):
             raise InvalidArgument("items.sequence_id", "a sequence appears twice in one request")
 
-    # --- prefill ----------------------------------------------------------------------
-
-    def prefill(self, specs: list[PrefillSpec]) -> list[PrefillOut]:
-        """Prefill new sequences, all at once (``begin_prefill`` and ``advance_prefill``
-        interleave the same work with steps)."""
-        job = self.begin_prefill(specs)
-        while not self.advance_prefill(job, budget=0):
-            pass
-        return job.outs
-
-    def begin_prefill(self, specs: list[PrefillSpec]) -> PrefillJob:
-        """Check a Prefill call and reserve its slots; ``advance_prefill`` computes it."""
-        self.expire()  # a dead router's sequences give their slots back first
-        self._check_unique([s.sequence_id for s in specs])
-        for i, spec in enumerate(specs):
-            if not spec.sequence_id:
-                raise InvalidArgument(f"items[{i}].sequence_id", "must not be empty")
-            if spec.sequence_id in self.sequences or spec.sequence_id in self.prefilling:
-                raise InvalidArgument(f"items[{i}].sequence_id",
-                                      f"sequence {spec.sequence_id!r} is already live")
-            if not spec.token_ids:
-                raise InvalidArgument(f"items[{i}].token_ids", "the prompt is empty")
-            if len(spec.token_ids) >= self.config.max_context:
-                raise InvalidArgument(
-                    f"items[{i}].token_ids",
-                    f"prompt of {len(spec.token_ids)} tokens leaves no room to generate "
-                    f"(max_context {self.config.max_context})",
-                )
-            check_token_ids(f"items[{i}].token_ids", spec.token_ids, self.vocab_size)
-            check_token_ids(f"items[{i}].sampling.logit_bias",
-                            [t for t, _ in spec.params.logit_bias], self.vocab_size)
-            if spec.prompt_length is not None \
-                    and not 1 <= spec.prompt_length <= len(spec.token_ids):
-                raise InvalidArgument(f"items[{i}].prompt_length",
-                                      f"{spec.prompt_length} is outside [1, "
-                                      f"{len(spec.token_ids)}] (the token_ids sent)")
-        grammars = [self._grammar(f"items[{i}].constraint", spec) for i, spec in enumerate(specs)]
-        room = len(self.free_slots) + len(self.kept) - self.reserved  # kept prefixes give way
-        if len(specs) > room:
-            raise ResourceExhausted(
-                f"KV cache full: {len(specs)} new sequences, {len(self.free_slots)} free "
-                f"slots of {self.config.slots} ({len(self.kept)} kept for prefixes, "
-                f"{self.reserved} taken by prefills under way); retry later"
-            )
-        self.reserved += len(specs)
-        job = PrefillJob([PendingPrefill(spec, g) for spec, g in zip(specs, grammars,
-                                                                         strict=True)])
-        self.prefilling.update(s.sequence_id for s in specs)
-        return job
-
-    def advance_prefill(self, job: PrefillJob, budget: int | None = None) -> bool:
-        """Compute the next ``budget`` prompt tokens of a Prefill call (default:
-        ``_prefill_budget``; 0: all of it), finishing each sequence whose prompt is done;
-        returns whether the call is done (its outputs in ``job.outs``). A sequence takes
-        its slot (and its cached prefix) when its turn comes, so it may reuse the prefix
-        of one computed before it in the same call."""
-        budget = self._prefill_budget() if budget is None else budget
-        left = budget or None
-        for item in job.items:
-            if item.out is not None:
-                continue
-            if item.slot is None:
-                item.slot, item.done, item.features = self._take_slot(item.spec)
-                self.reserved -= 1
-                item.reused = item.done
-            prompt = item.spec.token_ids
-            while item.done < len(prompt) and (left is None or left > 0):
-                size = self.config.prefill_chunk if left is None else min(
-                    left, self.config.prefill_chunk)
-                if left is not None and len(prompt) - item.done <= self.config.prefill_chunk // 2:
-                    # The rest of a prompt this short in one call: a call costs ~35 ms of
-                    # weight reads before its first token on this CPU, so splitting a short
-                    # prompt cost 4-stream MT-Bench ~8% of its throughput (and its TTFT).
-                    size = len(prompt) - item.done
-                chunk = prompt[item.done : item.done + size]
-                started = time.perf_counter()
-                item.logits = self._forward_chain(item.slot, item.done, chunk,
-                                                  item.features is not None)
-                _discount_rate(self.prefill_rate, len(chunk), time.perf_counter() - started)
-                if item.features is not None:
-                    item.features[item.done : item.done + len(chunk)] = \
-                        self.executor.features[0]
-                item.done += len(chunk)
-                left = None if left is None else left - len(chunk)
-            if item.done < len(prompt):
-                return False
-            item.out = self._first_token(item)
-            job.outs.append(item.out)
-            self.prefilling.discard(item.spec.sequence_id)
-        return True
-
-    def _prefill_budget(self) -> int:
-        """Prompt tokens for the next engine call of a Prefill (0: all): ``prefill_chunk``
-        while no live sequence waits on this verifier; else about what computes in
-        ``prefill_step_ratio`` steps' time (the measured step time x prefill rate, at least
-        ``MIN_PREFILL_TOKENS``), so a running stream's next token waits about that much
-        longer, not for the whole prompt. (A prompt's rest of at most half
-        ``prefill_chunk`` goes in one call whatever the budget.)"""
-        if not self.sequences or not self.step_rate[1]:
-            return self.config.prefill_chunk
-        if self.config.prefill_step_ratio <= 0:
-            return 0
-        step_s = self.step_rate[1] / self.step_rate[0]  # seconds per step
-        tokens_per_s = self.prefill_rate[0] / self.prefill_rate[1] if self.prefill_rate[1] \
-            else 0.0
-        tokens = int(self.config.prefill_step_ratio * step_s * tokens_per_s)
-        return max(MIN_PREFILL_TOKENS, min(self.config.prefill_chunk, tokens))
-
-    def abort_prefill(self, job: PrefillJob) -> None:
-        """A Prefill call that ended before its job (the caller went away): the slots it
-        took are freed, the sequences it finished released."""
-        for item in job.items:
-            self.prefilling.discard(item.spec.sequence_id)
-            if item.out is not None:
-                self.release([item.spec.sequence_id])
-            elif item.slot is not None:
-                self._free(item.slot)
-            else:
-                self.reserved -= 1
-        job.items.clear()
-
-    def _grammar(self, field: str, spec: PrefillSpec) -> SequenceGrammar | None:
-        """The sequence's matcher after its generated tokens (a re-prefill's), or None."""
-        if spec.constraint is None:
-            return None
-        if self.grammars is None:
-            raise InvalidArgument(field, "this verifier has no tokenizer for constraints")
-        generated = spec.token_ids[spec.prompt_length or len(spec.token_ids):]
-        try:
-            return self.grammars.start(spec.constraint, generated, field)
-        except InvalidConstraint as exc:
-            raise InvalidArgument(field, str(exc).removeprefix(field + ": ")) from None
-
-    def _first_token(self, item: PendingPrefill) -> PrefillOut:
-        """A prefilled sequence's first token; it is live from here."""
-        spec, grammar, logits, slot = item.spec, item.grammar, item.logits, item.slot
-        prompt, features = spec.token_ids, item.features
-        gen = spec.params.make_generator() if not spec.params.greedy else None
-        prompt_length = len(prompt) if spec.prompt_length is None else spec.prompt_length
-        processed = process_logits(logits[0, -1:].cpu(), spec.params, prompt[:prompt_length],
-                                   prompt[prompt_length:])
-        if grammar is not None:
-            masks = grammar.masks(1)
-            grammar.fill(masks, 0)
-            processed = mask_logits(processed.float().clone(), logits[0, -1:].cpu(), masks)
-        token = self._pick(processed[0], spec.params, gen)
-        if grammar is not None:
-            grammar.advance([token])
-        seq = self.sequences[spec.sequence_id] = SequenceState(
-            spec.sequence_id, slot, list(prompt) + [token], spec.params, gen, spec.session_id,
-            prompt_length, features=features, grammar=grammar, cache_salt=spec.cache_salt,
-        )
-        self._index(seq)
-        self.last_touched = seq.touched
-        return PrefillOut(spec.sequence_id, token, item.reused,
-                          self._logprobs(logits[0], [-1], [token], spec.params))
-
     def _logprobs(self, logits: torch.Tensor, rows: list[int], tokens: list[int],
                   params: SamplingParams) -> list[TokenLogprob]:
         """``tokens[i]``'s log-probability under ``logits[rows[i]]``, if asked for."""
         if params.logprobs is None:
             return []
         return token_logprobs(logits[rows, : self.vocab_size].cpu(), tokens, params.logprobs)
-
-    def _forward_chain(self, slot: int, start: int, chunk: list[int],
-                       features: bool = False) -> torch.Tensor:
-        """Causal forward of ``chunk`` at cache positions ``start...``; last row's logits
-        (and with ``features``, every row's in ``executor.features``)."""
-        tree = TokenTree.chain(chunk[1:])
-        batch = TreeBatch.build([tree], [chunk[0]], [start])
-        return self.executor.forward(ForwardArgs(
-            batch.tokens, batch.position_ids, torch.tensor([slot]), torch.tensor([start]),
-            batch.visibility(start + len(chunk)), last_only=True, features=features,
-        ))
 
     @staticmethod
     def _pick(logits: torch.Tensor, params: SamplingParams, gen) -> int:
@@ -436,7 +177,7 @@ class VerifierEngine:
         try:
             return self._step(items, seqs, budgets)
         finally:
-            _discount_rate(self.step_rate, 1, time.perf_counter() - started)
+            discount_rate(self.step_rate, 1, time.perf_counter() - started)
 
     def _step(self, items: list[StepItem], seqs: list[SequenceState], budgets: list[int]
               ) -> list[StepOut]:
@@ -602,9 +343,8 @@ class VerifierEngine:
                 self._free(old.slot)
             self.kept[key] = SessionEntry(seq.slot, seq.tokens[:-1], seq.features,
                                           seq.cache_salt)
-            if self.prefixes is not None:  # index the same tokens, as a finished list
-                self.prefixes.index(seq.slot, self.kept[key].tokens, seq.cached,
-                                    seq.cache_salt)
+            if self.prefixes is not None:  # the same blocks, now of a finished sequence
+                self.prefixes.keep(seq.slot, self.kept[key].tokens)
         return released
 
     def _free(self, slot: int) -> None:
@@ -645,16 +385,6 @@ class VerifierEngine:
             "draft_sources": self.drafts.describe(),
             "sequence_lease_seconds": self.config.sequence_lease_s,
         }
-
-
-MIN_PREFILL_TOKENS = 16  # a Prefill's least progress per engine call
-
-
-def _discount_rate(acc: list[float], amount: float, seconds: float,
-                   keep: float = 0.8) -> None:
-    """Discounted sums [amount, seconds]: their ratio is a recent rate."""
-    acc[0] = keep * acc[0] + amount
-    acc[1] = keep * acc[1] + seconds
 
 
 def slot_len(config: EngineConfig) -> int:

@@ -55,9 +55,18 @@ class PrefixIndex:
             self.drop(slot)
             held = self.held[slot] = _Held(salt, tokens)
         before = len(held.hashes)
+        if cached // self.block_size == before:  # every step calls this: no new block yet
+            return
         held.hashes = self.hashes(tokens, salt, cached // self.block_size, held.hashes)
         for h in held.hashes[before:]:
             self.by_hash.setdefault(h, set()).add(slot)
+
+    def keep(self, slot: int, tokens: Sequence[int]) -> None:
+        """The slot's sequence ended; ``tokens`` (its cached ones) stay indexed as they
+        were, without hashing them again."""
+        held = self.held.get(slot)
+        if held is not None:
+            held.tokens = tokens
 
     def drop(self, slot: int) -> None:
         """The slot's KV is about to change: it holds nothing reusable."""
