@@ -93,9 +93,13 @@ bench-quick: setup
 # The stack (default models) at capacity for SOAK_MINUTES with mixed and bad traffic, a
 # service killed every minute with SOAK_KILL=speculator|verifier|router: nothing lost, KV
 # slots free at the end, memory slopes (bench/results/soak-<date>/).
-SOAK_MINUTES ?= 10
+# The services' heap series (where memory goes) are sampled from /metrics on
+# SOAK_METRICS_PORT and the next ports.
+SOAK_MINUTES ?= 60
+SOAK_METRICS_PORT ?= 29460
 soak: setup
-	$(PY) -m bench.soak --minutes $(SOAK_MINUTES) $(if $(SOAK_KILL),--kill $(SOAK_KILL))
+	$(PY) -m bench.soak --minutes $(SOAK_MINUTES) --metrics-port $(SOAK_METRICS_PORT) \
+		$(if $(SOAK_KILL),--kill $(SOAK_KILL))
 
 # The fuzz tests with far more examples than `make test` runs (1000 per HTTP operation and
 # mode, per gRPC method): schemathesis on the OpenAI API, hypothesis on every RPC. About half

@@ -234,15 +234,25 @@ def _summary(passes: list[Pass]) -> dict:
             "tpot_p50_ms": statistics.median(tpot) * 1e3 if tpot else None}
 
 
+def _by_mode(series: dict[str, float]) -> dict[str, float]:
+    """``scrape``'s series keyed by their ``mode`` label's value alone."""
+    return {labels.split('mode="', 1)[1].split('"', 1)[0]: value
+            for labels, value in series.items() if 'mode="' in labels}
+
+
 def speculation_on_off(addr: str, prompts: Sequence[str], levels: Sequence[int], *,
                        new_tokens: int, reps: int = 1, temperature: float = 0.0,
                        seed: int | None = None, warmup: bool = True,
-                       progress: Callable[[str], None] = print) -> list[dict]:
+                       progress: Callable[[str], None] = print,
+                       metrics_url: str | None = None) -> list[dict]:
     """Aggregate tokens/s of every prompt at each number of concurrent streams, speculation
     off and on per request, ``reps`` times each, interleaved (off, on; then on, off; ...)
     so drift falls on both. ``warmup``: one pass with speculation on first (one-time costs,
     and what an adaptive router learns). Greedy rows also count the prompts whose outputs
-    are identical with and without speculation (they must all be)."""
+    are identical with and without speculation (they must all be). With the router's
+    ``metrics_url``, each setting also reports its router iterations by speculation mode
+    (``specinfer:steps_total``), summed over its passes."""
+    steps_name = "specinfer:steps_total"
     if warmup:
         p = time_prompts(addr, prompts, streams=max(levels), new_tokens=new_tokens,
                          temperature=temperature, seed=seed)
@@ -250,18 +260,26 @@ def speculation_on_off(addr: str, prompts: Sequence[str], levels: Sequence[int],
     rows = []
     for n in levels:
         passes: dict[bool, list[Pass]] = {False: [], True: []}
+        steps: dict[bool, dict[str, float]] = {False: {}, True: {}}
         identical = 0
         for rep in range(reps):
             for spec in (False, True) if rep % 2 == 0 else (True, False):
+                before = _by_mode(scrape(metrics_url, steps_name)) if metrics_url else {}
                 p = time_prompts(addr, prompts, streams=n, new_tokens=new_tokens,
                                  speculation=spec, temperature=temperature, seed=seed)
                 passes[spec].append(p)
+                if metrics_url:
+                    for mode, count in _by_mode(scrape(metrics_url, steps_name)).items():
+                        done = count - before.get(mode, 0.0)
+                        steps[spec][mode] = steps[spec].get(mode, 0.0) + done
                 progress(f"{n} streams, speculation {'on ' if spec else 'off'}: "
                          f"{p.tokens_per_s:.1f} tok/s")
             identical += sum(a.token_ids == b.token_ids for a, b in
                              zip(passes[False][-1].requests, passes[True][-1].requests,
                                  strict=True))
         off, on = _summary(passes[False]), _summary(passes[True])
+        if metrics_url:
+            off["steps_by_mode"], on["steps_by_mode"] = steps[False], steps[True]
         rows.append({"streams": n, "off": off, "on": on,
                      "speedup": on["tokens_per_s"] / off["tokens_per_s"],
                      "identical": f"{identical}/{reps * len(prompts)}"

@@ -38,18 +38,24 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="per request: seed + its index")
     ap.add_argument("--up", default="", help="more flags for specinfer up, one string")
     ap.add_argument("--out", type=Path, default=None, help="JSON of the rows")
+    ap.add_argument("--log", type=Path, default=None,
+                    help="keep the stack's log here (the policy's choices are in it)")
     ap.add_argument("--code", type=Path, default=None,
                     help="run the stack from this checkout (default: this one)")
     args = ap.parse_args()
     prompts = mtbench_prompts(args.per_category)[: args.prompts or None]
     levels = [int(n) for n in args.streams.split(",")]
-    with Stack(shlex.split(args.up), code=args.code) as stack:
+    with Stack(shlex.split(args.up), args.log, code=args.code) as stack:
         rows = speculation_on_off(stack.addr, prompts, levels, new_tokens=args.new_tokens,
                                   reps=args.reps, temperature=args.temperature,
-                                  seed=args.seed if args.temperature > 0 else None)
+                                  seed=args.seed if args.temperature > 0 else None,
+                                  metrics_url=f"{stack.http}/metrics")
     print(f"\n{len(prompts)} MT-Bench first turns x {args.new_tokens} tokens, temperature "
           f"{args.temperature}, {args.reps} pass(es) per cell, specinfer up {args.up}".rstrip())
     print(format_on_off(rows))
+    for row in rows:
+        print(f"{row['streams']} streams, router iterations by mode: off "
+              f"{row['off'].get('steps_by_mode')}, on {row['on'].get('steps_by_mode')}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

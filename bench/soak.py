@@ -43,6 +43,7 @@ import grpc
 
 from bench.harness import Stack
 from bench.soak_watch import (
+    heap_sample,
     live_sequences,
     metrics_live,
     plot,
@@ -289,15 +290,34 @@ async def soak(args: argparse.Namespace, stack: Stack, out: Path) -> dict:
     duration = args.minutes * 60
     until = load.t0 + duration
     memory: dict[str, list[tuple[float, float]]] = {}
+    # Where each service's memory goes (its heap series), to tell a leak from the allocator
+    # holding freed memory: from the router's /metrics and the services' --metrics-port.
+    heap_urls = {"router": f"{stack.http}/metrics"}
+    if args.metrics_port:
+        roles = sorted((role for role, _, _ in stack.services() if role != "router"),
+                       key=lambda role: role != "verifier")  # up's port order
+        counts: dict[str, int] = {}
+        for port, role in enumerate(roles, args.metrics_port):
+            counts[role] = counts.get(role, 0) + 1
+            heap_urls[f"{role}{counts[role]}"] = f"http://127.0.0.1:{port}/metrics"
+    heap: dict[str, list[tuple[float, dict[str, float]]]] = {}
     kills: list[dict] = []
 
     async def sample() -> None:
+        n = 0
         while time.monotonic() < until + 1:
             now = time.monotonic() - load.t0
             for role, pid, _ in [("up", stack.proc.pid, ""), *stack.services()]:
                 mib = rss_mib(pid)
                 if mib is not None:
                     memory.setdefault(f"{role}[{pid}]", []).append((round(now, 2), mib))
+            if n % 5 == 0:
+                for name, url in heap_urls.items():
+                    got = await asyncio.get_running_loop().run_in_executor(
+                        None, heap_sample, url)
+                    if got:
+                        heap.setdefault(name, []).append((round(now, 2), got))
+            n += 1
             await asyncio.sleep(args.sample_every)
 
     async def kill() -> None:
@@ -377,6 +397,12 @@ async def soak(args: argparse.Namespace, stack: Stack, out: Path) -> dict:
         "memory_mib": {k: {"first": round(p[0][1], 1), "last": round(p[-1][1], 1),
                            "max": round(max(m for _, m in p), 1)} for k, p in memory.items()},
         "memory_samples": memory,
+        "heap_slope_per_min": {name: {key: None if (v := slope_mib_per_min(
+            [(t, got[key]) for t, got in points if key in got], warmup)) is None
+            else round(v, 3) for key in points[-1][1]} for name, points in heap.items()},
+        "heap_last": {name: {k: round(v, 1) for k, v in points[-1][1].items()}
+                      for name, points in heap.items()},
+        "heap_samples": heap,
         "checks": checks, "passed": all(checks.values()),
     }
 
@@ -408,7 +434,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds of each process's life before its memory slope counts "
                         "(default: a quarter of the run)")
     p.add_argument("--metrics-port", type=int, default=0,
-                   help="passed to up: the verifier's /metrics here, read at the end too")
+                   help="passed to up: the verifier's /metrics here (the speculator's on the "
+                        "next port), read at the end and sampled for the heap series")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None,
                    help="default: bench/results/soak-<date>")

@@ -68,6 +68,26 @@ def metrics_live(port: int) -> float | None:
     return None
 
 
+def heap_sample(url: str) -> dict[str, float] | None:
+    """A process's heap series from its /metrics (``specinfer.metrics.HeapCollector``), in
+    MiB (Python's blocks in thousands); None if it does not answer."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("specinfer:process_heap_bytes{"):
+            state = line.split('state="', 1)[1].split('"', 1)[0]
+            out[f"heap_{state}_mib"] = float(line.rsplit(" ", 1)[1]) / 2**20
+        elif line.startswith("specinfer:process_python_blocks"):
+            out["python_kblocks"] = float(line.rsplit(" ", 1)[1]) / 1000
+    return out or None
+
+
 def restarts_logged(log: Path) -> dict[str, int]:
     """Services ``up`` restarted, by role, from its structured log."""
     counts: dict[str, int] = {}

@@ -109,6 +109,18 @@ def sliding_windows(config, first_layer: int, count: int) -> list[int | None]:
             for i in range(count)]
 
 
+def packed_queries(lengths: torch.Tensor, queries: int) -> torch.Tensor | None:
+    """The flat indices (into ``B * queries``) of each row's first ``lengths[b]`` queries,
+    or None when no row is padded. A batch of rows of unequal length (a tree beside a row
+    decoding one token, a prefill chunk beside both) then pays its linears for its real
+    queries only: on a CPU, where a forward's cost grows with its tokens, padding cost a
+    partial step more than its trees (4 rows, two of 17 queries: 68 tokens for 36)."""
+    if int(lengths.min()) >= queries:
+        return None
+    real = torch.arange(queries)[None, :] < lengths[:, None]
+    return real.flatten().nonzero().squeeze(1)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -221,24 +233,32 @@ class LlamaRuntime:
     @torch.inference_mode()
     def layers_forward(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                        offsets: torch.Tensor, visible: torch.Tensor | None,
-                       key_len: int | None = None) -> torch.Tensor:
+                       key_len: int | None = None, packed: torch.Tensor | None = None
+                       ) -> torch.Tensor:
         """Run this stage's layers. ``hidden [B, Q, H]``; ``positions [B, Q]`` rotary
         positions; ``slots [B]`` cache slots; ``offsets [B]`` where query 0's K/V is written;
         ``offsets [B, Q]`` gives every query's own cache position instead.
         ``visible [B, Q, K]`` bool, or None when every query sees every key up to its own
         position (a single row decoding one token). Index tensors may be on the host: they
         are moved here. ``key_len``: keys to attend over (K, or with no ``visible`` the last
-        write position + 1; pass it to spare a device-to-host read)."""
+        write position + 1; pass it to spare a device-to-host read).
+
+        ``packed``: the flat indices (into ``B * Q``) of the real queries when rows are
+        padded (``packed_queries``): the linears then run on those ``[N, H]`` only and the
+        result is ``[N, H]``; padding only takes part in attention (zero keys and values
+        past its row's real queries, which no real query sees)."""
         positions, slots, offsets = (self.to_device(t) for t in (positions, slots, offsets))
+        packed = self.to_device(packed)
         if visible is not None:
             key_len = visible.shape[-1]
             visible = self.to_device(visible)
         elif key_len is None:
             key_len = int(offsets.max()) + (1 if offsets.dim() == 2 else hidden.shape[1])
-        if self._graphs is not None and self._graphs.fits(hidden.shape[0], hidden.shape[1]):
+        if packed is None and self._graphs is not None and \
+                self._graphs.fits(hidden.shape[0], hidden.shape[1]):
             return self._graphs(hidden, positions, slots, offsets, visible, key_len)
         step = self._compiled or self.layer_loop
-        return step(hidden, positions, slots, offsets, visible, key_len)
+        return step(hidden, positions, slots, offsets, visible, key_len, packed)
 
     def capture_graphs(self, max_queries: int) -> None:
         """With a compiled placement on a GPU: capture the layer loop for every bucket of
@@ -249,14 +269,17 @@ class LlamaRuntime:
             self._graphs = GraphedLayers(self, max_queries)
 
     def layer_loop(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                   offsets: torch.Tensor, visible: torch.Tensor | None, key_len: int
-                   ) -> torch.Tensor:
+                   offsets: torch.Tensor, visible: torch.Tensor | None, key_len: int,
+                   packed: torch.Tensor | None = None) -> torch.Tensor:
         """The layer loop itself, eager: device tensors only, no host reads, so CUDA graphs
         capture it and ``torch.compile`` compiles it (``layers_forward`` picks which runs).
-        ``slots`` may also be ``[B, Q]``: each query's write slot (graph padding)."""
-        b, q, _ = hidden.shape
+        ``slots`` may also be ``[B, Q]``: each query's write slot (graph padding).
+        ``packed``: see ``layers_forward``."""
+        b, q, width = hidden.shape
         act, attn_dtype = hidden.dtype, self.attn_dtype
         cos, sin = self.rotary_emb(hidden[:, :, :1].to(attn_dtype), positions)
+        if packed is not None:  # the residual stream holds the real queries only
+            hidden = hidden.reshape(b * q, width).index_select(0, packed)
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, Q, 1, D]
         write_pos = offsets if offsets.dim() == 2 else \
             offsets[:, None] + torch.arange(q, device=hidden.device)[None, :]
@@ -272,6 +295,8 @@ class LlamaRuntime:
         kv_heads = self.cache.k.shape[3]
         for i, (layer, proj) in enumerate(zip(self.layers, self.proj, strict=True)):
             heads = proj.qkv(rms_norm(layer.input_layernorm, hidden))
+            if packed is not None:  # padding's q, k and v are zero
+                heads = heads.new_zeros(b * q, heads.shape[-1]).index_copy_(0, packed, heads)
             heads = heads.view(b, q, -1, self.head_dim).to(attn_dtype)  # [q | k | v] heads
             split = heads.shape[2] - kv_heads
             qk = heads[:, :, :split]  # rotary on q and k at once
@@ -288,7 +313,10 @@ class LlamaRuntime:
             out = self._attention(qs.transpose(1, 2), keys.transpose(1, 2),
                                   values.transpose(1, 2),
                                   window_masks.get(self.windows[i], mask))
-            hidden = hidden + proj.o(out.transpose(1, 2).reshape(b, q, -1).to(act))
+            out = out.transpose(1, 2).reshape(b, q, -1).to(act)
+            if packed is not None:
+                out = out.reshape(b * q, -1).index_select(0, packed)
+            hidden = hidden + proj.o(out)
             gate, up = proj.gate_up(rms_norm(layer.post_attention_layernorm, hidden)).chunk(2, -1)
             hidden = hidden + proj.down(layer.mlp.act_fn(gate) * up)
         return hidden

@@ -203,6 +203,27 @@ def test_the_local_executor_is_an_executor_with_features(engine):
     assert ex.features is None
 
 
+def test_padded_rows_run_their_real_queries_only_with_the_same_logits(engine):
+    """A batch of rows of unequal length (a tree beside a row decoding one token) runs its
+    linears on the real queries only (``ForwardArgs.lengths``): their logits and features
+    are the padded forward's (to rounding; in bfloat16 bit for bit, the kernels being
+    batch-invariant), padding's come back zero."""
+    ex = engine.executor
+    trees = [TokenTree.chain([5, 6, 7, 8]), TokenTree(), TokenTree.chain([9])]
+    batch = TreeBatch.build(trees, [1, 2, 3], [0, 10, 20])
+    args = ForwardArgs(batch.tokens, batch.position_ids, torch.tensor([0, 1, 2]),
+                       batch.prefix_lens, batch.visibility(25), features=True)
+    padded = ex.forward(args)
+    padded_features = ex.features
+    lengths = torch.tensor([5, 1, 2])
+    packed = ex.forward(dataclasses.replace(args, lengths=lengths))
+    real = torch.arange(5)[None, :] < lengths[:, None]
+    tol = TOL if ex.dtype == "float32" else 0.0
+    assert (packed[real] - padded[real]).abs().max().item() <= tol
+    assert (ex.features[real] - padded_features[real]).abs().max().item() <= tol
+    assert not packed[~real].any() and not ex.features[~real].any()
+
+
 def test_seeded_sampling_is_reproducible(engine):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
     a = generate_local(engine, [[1, 2, 3]], 20, params=params)[0].token_ids

@@ -201,6 +201,7 @@ class VerifierEngine(Prefiller):
         logits = self.executor.forward(ForwardArgs(
             batch.tokens, batch.position_ids, torch.tensor([s.slot for s in seqs]),
             batch.prefix_lens, visible, features=self.drafts.needs_features,
+            lengths=torch.tensor([1 + len(t) for t in trees]),
         ))
         self.forward_passes += 1
         start = time.perf_counter()

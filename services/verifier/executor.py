@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from specinfer.runtime import LlamaRuntime
+from specinfer.runtime import LlamaRuntime, packed_queries
 
 
 @dataclass
@@ -28,6 +28,10 @@ class ForwardArgs:
     # Keep every query's normed last hidden state as ``executor.features`` (the draft head's
     # input); the local executor only (a parallel one refuses).
     features: bool = False
+    # [B] int64: each row's real queries (the rest of it padding), so the local CPU executor
+    # runs the linears on those only (``runtime.packed_queries``); None: every query is real.
+    # Padding's logits (and features) come back as zeros.
+    lengths: torch.Tensor | None = None
 
     @property
     def key_len(self) -> int:
@@ -72,6 +76,12 @@ class Executor(Protocol):
         ...
 
 
+def unpack(rows: torch.Tensor, packed: torch.Tensor, b: int, q: int) -> torch.Tensor:
+    """``rows [N, D]`` of the real queries laid out as ``[B, Q, D]``, zero at padding."""
+    out = rows.new_zeros(b * q, rows.shape[-1]).index_copy_(0, packed, rows)
+    return out.view(b, q, -1)
+
+
 class LocalExecutor:
     """The whole model in this process."""
 
@@ -91,8 +101,17 @@ class LocalExecutor:
     def forward(self, args: ForwardArgs) -> torch.Tensor:
         """Float32 logits ``[B, Q or 1, V]`` on the runtime's device."""
         rt = self.runtime
+        b, q = args.tokens.shape
+        packed = None
+        if args.lengths is not None and not args.last_only and not rt.placement.cuda:
+            packed = packed_queries(args.lengths, q)
         hidden = rt.layers_forward(rt.embed(rt.to_device(args.tokens)), args.positions,
-                                   args.slots, args.offsets, args.visible, args.key_len)
+                                   args.slots, args.offsets, args.visible, args.key_len,
+                                   packed)
+        if packed is not None:  # [N, H]: the real queries'; padding's rows come back zero
+            normed = rt.final_norm(hidden)
+            self.features = unpack(normed, packed, b, q) if args.features else None
+            return unpack(rt.head(normed), packed, b, q)
         if args.last_only and not args.features:
             hidden = hidden[:, -1:]
         normed = rt.final_norm(hidden)

@@ -106,10 +106,11 @@ class Prefiller:
                     f"KV cache full: {len(self.sequences)} live sequences hold all "
                     f"{self.config.slots} slots ({self.capacity_tokens} tokens); retry later")
             key = victims[0] if victims else owner  # the prefix's own slot, as it is
-            slot = self.kept.pop(key).slot
-            if key != owner:
-                log.info("evicting a kept prefix to admit a sequence",
-                         extra={"tokens": 0 if owner is None else reuse})
+            evicted = self.kept.pop(key)
+            slot = evicted.slot
+            if key != owner:  # routine at capacity (LRU): debug, not one line per admission
+                log.debug("evicting a kept prefix to admit a sequence",
+                          extra={"tokens": len(evicted.tokens)})
         src_features = None
         if source is not None:
             holder = self.kept.get(owner) if owner is not None else next(
