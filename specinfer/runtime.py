@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +125,24 @@ def packed_queries(lengths: torch.Tensor, queries: int) -> torch.Tensor | None:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class _Rows:
+    """One padded batch of rows as attention reads it (``LlamaRuntime._rows``)."""
+
+    b: int
+    q: int
+    cos: torch.Tensor  # [B, Q, 1, D]
+    sin: torch.Tensor
+    slots: torch.Tensor  # [B]: the slot each row reads
+    write_slot: torch.Tensor  # [B, Q]: where each query's K/V goes
+    write_pos: torch.Tensor  # [B, Q]
+    key_len: int
+    mask: torch.Tensor | None
+    window_masks: dict
+    packed: torch.Tensor | None  # the real queries' flat indices; None: all of them
+    single: bool
 
 
 class LlamaRuntime:
@@ -276,11 +295,39 @@ class LlamaRuntime:
         ``slots`` may also be ``[B, Q]``: each query's write slot (graph padding).
         ``packed``: see ``layers_forward``."""
         b, q, width = hidden.shape
-        act, attn_dtype = hidden.dtype, self.attn_dtype
-        cos, sin = self.rotary_emb(hidden[:, :, :1].to(attn_dtype), positions)
+        rows = self._rows(hidden, positions, slots, offsets, visible, key_len, packed)
         if packed is not None:  # the residual stream holds the real queries only
             hidden = hidden.reshape(b * q, width).index_select(0, packed)
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, Q, 1, D]
+        return self._layers(hidden, [rows])
+
+    @torch.inference_mode()
+    def segments_forward(self, parts: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        """Several batches in one pass over the weights (the CPU, eager): each part is
+        ``(hidden [B, Q, H], positions, slots, offsets, visible, key_len, packed)`` as
+        ``layers_forward`` takes them, ``packed`` required (None: all of its B * Q queries).
+        The linears run once over every part's real queries; attention runs per part, so a
+        prefill chunk of many queries beside rows of one or a tree pads neither. Returns
+        each part's ``[N_i, H]`` (its real queries)."""
+        streams, rows = [], []
+        for hidden, positions, slots, offsets, visible, key_len, packed in parts:
+            b, q, width = hidden.shape
+            positions, slots, offsets, packed = (self.to_device(t) for t in (
+                positions, slots, offsets, packed))
+            visible = self.to_device(visible)
+            rows.append(self._rows(hidden, positions, slots, offsets, visible, key_len,
+                                   packed))
+            flat = hidden.reshape(b * q, width)
+            streams.append(flat if packed is None else flat.index_select(0, packed))
+        out = self._layers(torch.cat(streams), rows)
+        return list(out.split([len(s) for s in streams]))
+
+    def _rows(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              offsets: torch.Tensor, visible: torch.Tensor | None, key_len: int,
+              packed: torch.Tensor | None) -> _Rows:
+        """What attention needs of one padded batch of rows, computed once per forward."""
+        b, q, _ = hidden.shape
+        attn_dtype = self.attn_dtype
+        cos, sin = self.rotary_emb(hidden[:, :, :1].to(attn_dtype), positions)
         write_pos = offsets if offsets.dim() == 2 else \
             offsets[:, None] + torch.arange(q, device=hidden.device)[None, :]
         if slots.dim() == 2:  # per-query write slots (graph padding); rows read query 0's
@@ -291,32 +338,53 @@ class LlamaRuntime:
         window_masks = {w: additive_mask(self._window_visible(
             visible, positions, slots, write_slot, write_pos, key_len, w), attn_dtype)
             for w in set(self.windows) if w is not None and key_len > w}
-        single = b == 1 and not hidden.is_cuda  # (indexing by a device scalar syncs)
+        return _Rows(b, q, cos[:, :, None, :], sin[:, :, None, :], slots, write_slot,
+                     write_pos, key_len, mask, window_masks, packed,
+                     single=b == 1 and not hidden.is_cuda)  # (a device scalar index syncs)
+
+    def _layers(self, hidden: torch.Tensor, parts: list[_Rows]) -> torch.Tensor:
+        """The layers over ``hidden``: ``[B, Q, H]`` for one part unpacked, else the parts'
+        real queries one after another, ``[N, H]``."""
+        act, attn_dtype = hidden.dtype, self.attn_dtype
         kv_heads = self.cache.k.shape[3]
+        bounds = [0]
+        for rows in parts:
+            bounds.append(bounds[-1] + (rows.b * rows.q if rows.packed is None
+                                        else rows.packed.shape[0]))
         for i, (layer, proj) in enumerate(zip(self.layers, self.proj, strict=True)):
             heads = proj.qkv(rms_norm(layer.input_layernorm, hidden))
-            if packed is not None:  # padding's q, k and v are zero
-                heads = heads.new_zeros(b * q, heads.shape[-1]).index_copy_(0, packed, heads)
-            heads = heads.view(b, q, -1, self.head_dim).to(attn_dtype)  # [q | k | v] heads
-            split = heads.shape[2] - kv_heads
-            qk = heads[:, :, :split]  # rotary on q and k at once
-            qk = qk * cos + rotate_half(qk) * sin
-            qs, ks, vs = qk[:, :, : split - kv_heads], qk[:, :, split - kv_heads :], \
-                heads[:, :, split:]
-            ck, cv = self.cache.k[i], self.cache.v[i]
-            ck[write_slot, write_pos] = ks
-            cv[write_slot, write_pos] = vs
-            if single:  # a view, no copy
-                keys, values = ck[slots[0], :key_len][None], cv[slots[0], :key_len][None]
-            else:
-                keys, values = ck[slots, :key_len], cv[slots, :key_len]
-            out = self._attention(qs.transpose(1, 2), keys.transpose(1, 2),
-                                  values.transpose(1, 2),
-                                  window_masks.get(self.windows[i], mask))
-            out = out.transpose(1, 2).reshape(b, q, -1).to(act)
-            if packed is not None:
-                out = out.reshape(b * q, -1).index_select(0, packed)
-            hidden = hidden + proj.o(out)
+            outs = []
+            for rows, lo, hi in zip(parts, bounds[:-1], bounds[1:], strict=True):
+                b, q = rows.b, rows.q
+                part = heads if len(parts) == 1 else heads[lo:hi]
+                if rows.packed is not None:  # padding's q, k and v are zero
+                    part = part.new_zeros(b * q, part.shape[-1]).index_copy_(
+                        0, rows.packed, part)
+                part = part.view(b, q, -1, self.head_dim).to(attn_dtype)  # [q | k | v]
+                split = part.shape[2] - kv_heads
+                qk = part[:, :, :split]  # rotary on q and k at once
+                qk = qk * rows.cos + rotate_half(qk) * rows.sin
+                qs, ks, vs = qk[:, :, : split - kv_heads], qk[:, :, split - kv_heads :], \
+                    part[:, :, split:]
+                ck, cv = self.cache.k[i], self.cache.v[i]
+                ck[rows.write_slot, rows.write_pos] = ks
+                cv[rows.write_slot, rows.write_pos] = vs
+                key_len, slots = rows.key_len, rows.slots
+                if rows.single:  # a view, no copy
+                    keys, values = ck[slots[0], :key_len][None], cv[slots[0], :key_len][None]
+                else:
+                    keys, values = ck[slots, :key_len], cv[slots, :key_len]
+                out = self._attention(qs.transpose(1, 2), keys.transpose(1, 2),
+                                      values.transpose(1, 2),
+                                      rows.window_masks.get(self.windows[i], rows.mask))
+                out = out.transpose(1, 2).reshape(b, q, -1)
+                if rows.packed is not None:
+                    out = out.reshape(b * q, -1).index_select(0, rows.packed)
+                elif hidden.dim() == 2:  # beside other parts, or packed by the caller
+                    out = out.reshape(b * q, -1)
+                outs.append(out)
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            hidden = hidden + proj.o(out.to(act))
             gate, up = proj.gate_up(rms_norm(layer.post_attention_layernorm, hidden)).chunk(2, -1)
             hidden = hidden + proj.down(layer.mlp.act_fn(gate) * up)
         return hidden

@@ -52,3 +52,34 @@ def test_one_minute_soak_loses_nothing(tiny_chat_llm, tmp_path):
     for name, slope in slopes.items():
         assert slope is not None and abs(slope) < SLOPE_MIB_PER_MIN, (name, slope)
     assert (out / "memory.png").stat().st_size > 0
+
+
+def test_the_linears_per_shape_caches_are_bounded():
+    """A packed linear keeps a oneDNN/ideep cache entry per row count it runs at; the
+    capacities specinfer sets (``specinfer/__init__.py``) bound that: 2 weight shapes at
+    300 new row counts grow the C heap by well under what the libraries' defaults
+    allowed."""
+    import torch
+
+    from specinfer import linears
+    from specinfer.metrics import _mallinfo2
+    from specinfer.placement import resolve
+
+    mallinfo = _mallinfo2()
+    if mallinfo is None:
+        pytest.skip("not glibc: no mallinfo2")
+
+    def in_use() -> float:
+        info = mallinfo()
+        return (info.uordblks + info.hblkhd) / 2**20
+
+    placement = resolve("cpu", "float32")
+    kernels = [linears.build([torch.nn.Linear(576, n, bias=False)], placement, measure=False)
+               for n in (576, 1728)]
+    before = in_use()
+    with torch.inference_mode():
+        for rows in range(1000, 1300):  # row counts no other test ran
+            x = torch.randn(rows, 576)
+            for kernel in kernels:
+                kernel(x)
+    assert in_use() - before < 250

@@ -91,6 +91,21 @@ def test_an_arm_that_lost_by_far_at_a_smaller_batch_starts_as_a_loser():
     assert policy.choose(4, greedy=False) == 1  # other kinds of batch: measured as usual
 
 
+def test_a_step_that_shared_the_verifier_with_a_prefill_does_not_skew_the_choice():
+    """A disturbed step's time (a prefill chunk ran beside it) leaves a timed mode's
+    estimate alone, so one slow plain step does not hand the batch to speculation; a mode
+    not timed yet still takes it (else it would stay unmeasured under constant load)."""
+    policy = SpeculationPolicy(2, explore_every=8, max_explore_every=8)
+    run(policy, 4, [100, 90], steps=20)  # plain decoding wins by 10%
+    assert policy.current(4, True) == 0
+    for _ in range(5):  # plain steps each behind a prefill: 4x their time
+        policy.record(4, True, 0, seconds=4 * 4 / 100, disturbed=True)
+    assert policy.choose(4, greedy=True) == 0 and policy.rate((4, True), 0) == \
+        pytest.approx(100)
+    policy.record(2, True, 0, seconds=0.5, disturbed=True)  # untimed: counts
+    assert policy.rate((2, True), 0) == pytest.approx(4.0)
+
+
 def test_batch_sizes_and_kinds_are_measured_apart():
     policy = SpeculationPolicy(2, explore_every=1000)
     run(policy, 1, [10, 30], steps=10)

@@ -224,6 +224,45 @@ def test_padded_rows_run_their_real_queries_only_with_the_same_logits(engine):
     assert not packed[~real].any() and not ex.features[~real].any()
 
 
+def test_a_prefill_rides_in_steps_and_changes_nothing(engine, greedy):
+    """Prefill chunks computed inside the steps' forward passes (``ride_prefill``), beside
+    a tree row and a plain row: every output is what it is alone, and the riding prompt's
+    first token is its own greedy one; an aborted riding job frees its slots."""
+    engine.config = dataclasses.replace(engine.config, prefill_chunk=16)
+    assert engine.rides_prefill
+    prompts = {"a": [3, 1, 4, 1, 5], "b": [2, 7, 1, 8]}
+    firsts = {o.sequence_id: o.token for o in engine.prefill(
+        [PrefillSpec(sid, p) for sid, p in prompts.items()])}
+    truth = {sid: greedy(p, 32) for sid, p in prompts.items()}
+    long_prompt = [(5 * i) % 97 + 2 for i in range(90)]
+    job = engine.begin_prefill([PrefillSpec("long", long_prompt)])
+    engine.ride_prefill(job)
+    out = {sid: [t] for sid, t in firsts.items()}
+    steps = 0
+    while not job.outs and steps < 20:
+        tree = TokenTree.chain(truth["a"][len(out["a"]):len(out["a"]) + 2])
+        for r in engine.step([StepItem("a", out["a"][-1], tree), StepItem("b", out["b"][-1])]):
+            out[r.sequence_id] += r.tokens
+        steps += 1
+    assert engine.riding_tokens == 90 and job.outs
+    assert steps >= 5  # 16 tokens a step (the budget's least), the last 10 with the 5th
+    out["b"] += engine.step([StepItem("b", out["b"][-1])])[0].tokens
+    assert not engine.riding  # a finished job leaves at the next step
+    assert job.outs[0].token == greedy(long_prompt, 1)[0]
+    assert out["a"] == truth["a"][:len(out["a"])] and out["b"] == truth["b"][:len(out["b"])]
+    assert len(out["a"]) > steps  # the tree row accepted its drafts
+    tokens = [job.outs[0].token]  # the riding sequence goes on as any other
+    for _ in range(3):
+        tokens += engine.step([StepItem("long", tokens[-1])])[0].tokens
+    assert tokens == greedy(long_prompt, 4)
+    free = len(engine.free_slots) + len(engine.kept)
+    job = engine.begin_prefill([PrefillSpec("gone", long_prompt)])
+    engine.ride_prefill(job)
+    out["b"] += engine.step([StepItem("b", out["b"][-1])])[0].tokens
+    engine.abort_prefill(job)
+    assert len(engine.free_slots) + len(engine.kept) == free and not engine.riding
+
+
 def test_seeded_sampling_is_reproducible(engine):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
     a = generate_local(engine, [[1, 2, 3]], 20, params=params)[0].token_ids

@@ -100,9 +100,12 @@ def forward_passes(port: int) -> float:
 
 def test_a_long_prefill_does_not_stall_the_steps_of_live_sequences(tiny_llama):
     """A 1,500-token prompt computed 32 tokens at a time: Step calls of a live sequence,
-    sent after the Prefill, are answered while it is under way (between its chunks)."""
+    sent after the Prefill, are answered while it is under way, its chunks riding in
+    their forward passes."""
+    port = free_port()
     with service("verifier", "--llm", tiny_llama, "--max-context", "2048", "--slots", "2",
-                 "--prefill-chunk", "32") as (addr, _), grpc.insecure_channel(addr) as channel:
+                 "--prefill-chunk", "32", "--metrics-port", str(port)) as (addr, _), \
+            grpc.insecure_channel(addr) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
         root = prefill(stub, "live", [1, 2, 3]).token
         long = verifier_pb2.PrefillRequest(items=[verifier_pb2.PrefillItem(
@@ -115,6 +118,10 @@ def test_a_long_prefill_does_not_stall_the_steps_of_live_sequences(tiny_llama):
             during += not pending.done()
         assert pending.result().results[0].sequence_id == "long"
         assert during >= 3, during
+        metrics = scrape(f"http://127.0.0.1:{port}/metrics")
+        riding = sum(v for k, v in metrics.items()
+                     if k.startswith("specinfer:verifier_prefill_riding_tokens_total"))
+        assert riding > 0
 
 
 def test_health_and_reflection(verifier):

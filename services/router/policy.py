@@ -314,13 +314,19 @@ class SpeculationPolicy:
         self.interval[slot] = self.countdown[slot] = steps
 
     def record(self, batch: int, greedy: bool, mode: int, seconds: float,
-               per_sequence: dict[str, int] | None = None) -> None:
+               per_sequence: dict[str, int] | None = None, disturbed: bool = False) -> None:
         """A step of ``mode`` on ``batch`` sequences took ``seconds``; ``per_sequence``: the
-        tokens each speculating sequence emitted, if they measure the mode's drafts."""
+        tokens each speculating sequence emitted, if they measure the mode's drafts.
+        ``disturbed``: the step shared its verifier with a prefill, so its time is the
+        prefill's too; it counts only for a mode not timed yet at this batch size (a
+        prefill chunk costs up to a few steps here: one such time in a rarely tried mode's
+        estimate swung the choice at 4 and 8 streams)."""
         if seconds <= 0:
             return
         key = self._key(batch, greedy)
-        _discount(self.times.setdefault((*key, mode), [0.0, 0.0]), seconds, self.smoothing)
+        if not disturbed or (*key, mode) not in self.times:
+            _discount(self.times.setdefault((*key, mode), [0.0, 0.0]), seconds,
+                      self.smoothing)
         for seq, n in (per_sequence or {}).items():
             self.record_yield(greedy, mode, seq, n)
         current = self.choice.get(key)

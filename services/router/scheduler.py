@@ -85,6 +85,7 @@ class Scheduler:
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.admitting: dict[str, asyncio.Task] = {}  # replica -> its Prefill under way
+        self.admissions = 0  # Prefill calls started
         self.step_mode = "plain"  # the running step's speculation mode, for its spans
         self.metrics.watch_queues(lambda: len(self.running), lambda: len(self.waiting))
         self.replicas.on_change = self.wake.set  # sequences may move (_move_off_leaving)
@@ -220,6 +221,7 @@ class Scheduler:
             by_replica.setdefault(replica.address, []).append(req)
         self.waiting[:] = still
         for address, reqs in by_replica.items():  # not awaited: the batch keeps stepping
+            self.admissions += 1
             task = asyncio.create_task(self._admitting(reqs))
             self.admitting[address] = task
             task.add_done_callback(lambda _, a=address: self.admitting.pop(a, None))
@@ -301,7 +303,9 @@ class Scheduler:
     async def _step(self) -> None:
         """One iteration of the running batch: plan, draft, step (emitting as each
         replica answers), then the policy learns what the step cost and yielded."""
-        started = time.monotonic()
+        started, admissions = time.monotonic(), self.admissions
+        # A step that shared the verifier with a prefill chunk timed the chunk too.
+        disturbed = bool(self.admitting)
         batch = list(self.running)
         before = {r.id: len(r.generated) for r in batch}
         greedy = all(r.params.greedy for r in batch)
@@ -320,10 +324,11 @@ class Scheduler:
         if self.policy and any(r.speculation for r in batch):
             # The shadow modes are measured by their shadow drafts, not by running them.
             measured = drafted and not mode.shadow
+            disturbed = disturbed or bool(self.admitting) or self.admissions != admissions
             self.policy.record(len(batch), greedy, index if drafted else 0,
                                time.monotonic() - started,
                                {r.id: len(r.generated) - before[r.id] for r in speculating}
-                               if measured else None)
+                               if measured else None, disturbed=disturbed)
 
     async def _draft(self, reqs: list[GenRequest], plans: Plans) -> Trees:
         """The speculator's trees for the plans among ``reqs`` that ask for one."""

@@ -27,6 +27,7 @@ from services.verifier.prefill import (  # noqa: F401 (PrefillSpec, PrefillOut: 
     PrefillJob,
     PrefillOut,
     PrefillSpec,
+    chain_args,
     discount_rate,
 )
 from services.verifier.prefix_cache import PrefixIndex
@@ -112,10 +113,14 @@ class VerifierEngine(Prefiller):
         # and the slots they will take (counted against admission).
         self.prefilling: set[str] = set()
         self.reserved = 0
+        # Prefill calls whose chunks ride in the steps' forward passes (ride_prefill).
+        self.riding: list[PrefillJob] = []
+        self.riding_tokens = 0  # prompt tokens computed that way
         # Measured, as discounted sums [amount, seconds]: prompt tokens computed, and Step
         # calls (the prefill budget while sequences are live: _prefill_budget).
         self.prefill_rate = [0.0, 0.0]
-        self.step_rate = [0.0, 0.0]
+        self.step_rate = [0.0, 0.0]  # steps without a prefill chunk
+        self.ride_rate = [0.0, 0.0]  # prompt tokens riding in steps, and the time they added
         # Automatic prefix caching (prefix_cache.py); None: off (sessions still reuse).
         self.prefixes = PrefixIndex(config.block_size, f"{model_name}|{executor.dtype}") \
             if config.prefix_caching else None
@@ -173,11 +178,16 @@ class VerifierEngine(Prefiller):
         seqs, budgets = self._check_step(items)
         if not items:  # an empty batch: nothing to run (a forward of none would fail)
             return []
-        started = time.perf_counter()
+        started, rode = time.perf_counter(), self.riding_tokens
         try:
             return self._step(items, seqs, budgets)
         finally:
-            discount_rate(self.step_rate, 1, time.perf_counter() - started)
+            seconds, rode = time.perf_counter() - started, self.riding_tokens - rode
+            if not rode:
+                discount_rate(self.step_rate, 1, seconds)
+            elif self.step_rate[0]:  # what the chunk added to a step: its tokens' cost
+                discount_rate(self.ride_rate, rode,
+                              max(0.0, seconds - self.step_rate[1] / self.step_rate[0]))
 
     def _step(self, items: list[StepItem], seqs: list[SequenceState], budgets: list[int]
               ) -> list[StepOut]:
@@ -198,11 +208,20 @@ class VerifierEngine(Prefiller):
         q = batch.tokens.shape[1]
         key_len = int(batch.prefix_lens.max()) + q
         visible = None if len(seqs) == 1 and q == 1 else batch.visibility(key_len)
-        logits = self.executor.forward(ForwardArgs(
+        args = ForwardArgs(
             batch.tokens, batch.position_ids, torch.tensor([s.slot for s in seqs]),
             batch.prefix_lens, visible, features=self.drafts.needs_features,
             lengths=torch.tensor([1 + len(t) for t in trees]),
-        ))
+        )
+        ride = self._ride_chunk() if self.riding else None
+        if ride is None:
+            logits = self.executor.forward(args)
+        else:  # a prefill chunk in the same pass over the weights
+            job, item, chunk = ride
+            logits, chunk_logits = self.executor.forward_with_chunk(
+                args, chain_args(item.slot, item.done, chunk, item.features is not None))
+            self._chunk_computed(job, item, chunk, chunk_logits, self.executor.chunk_features)
+            self.riding_tokens += len(chunk)
         self.forward_passes += 1
         start = time.perf_counter()
         processed = self._processed(logits, seqs, trees, masks)

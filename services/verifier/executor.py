@@ -93,6 +93,10 @@ class LocalExecutor:
         self.tp = 1
         self.pp = 1
         self.features: torch.Tensor | None = None  # [B, Q, H], of the last forward asking
+        # A prefill chunk rides in a step's forward (forward_with_chunk) on the CPU; a GPU
+        # runs steps through graphs of fixed shapes, and pads cheaply anyway.
+        self.rides_prefill = not runtime.placement.cuda
+        self.chunk_features: torch.Tensor | None = None  # [1, C, H]: the chunk's, if asked
 
     @property
     def healthy(self) -> bool:
@@ -119,6 +123,31 @@ class LocalExecutor:
         if args.last_only:
             normed = normed[:, -1:]
         return rt.head(normed)
+
+    def forward_with_chunk(self, args: ForwardArgs, chunk: ForwardArgs
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(args)`` and a prefill chunk's forward (one causal row, ``last_only``)
+        in one pass over the weights: the linears run over both batches' real queries at
+        once, attention per batch. Returns ``args``' logits as ``forward`` does and the
+        chunk's last query's ``[1, 1, V]``; features as asked (``features``,
+        ``chunk_features``)."""
+        rt = self.runtime
+        b, q = args.tokens.shape
+        packed = packed_queries(args.lengths, q) if args.lengths is not None else None
+        main, ride = rt.segments_forward([
+            (rt.embed(rt.to_device(args.tokens)), args.positions, args.slots, args.offsets,
+             args.visible, args.key_len, packed),
+            (rt.embed(rt.to_device(chunk.tokens)), chunk.positions, chunk.slots,
+             chunk.offsets, chunk.visible, chunk.key_len, None)])
+        normed, chunk_normed = rt.final_norm(main), rt.final_norm(ride)
+        self.chunk_features = chunk_normed[None] if chunk.features else None
+        if packed is None:
+            self.features = normed.view(b, q, -1) if args.features else None
+            logits = rt.head(normed).view(b, q, -1)
+        else:
+            self.features = unpack(normed, packed, b, q) if args.features else None
+            logits = unpack(rt.head(normed), packed, b, q)
+        return logits, rt.head(chunk_normed[-1:])[None]
 
     def compact(self, slot: int, src: list[int], dst: list[int]) -> None:
         self.runtime.cache.compact(slot, src, dst)

@@ -46,6 +46,10 @@ class VerifierMetrics:
         self.prefill_tokens = Counter(PREFIX + "verifier_prefill_tokens",
                                       "Tokens prefilled (cached prefixes not counted).",
                                       labels, registry=r).labels(**self._m)
+        self.riding_tokens = Counter(PREFIX + "verifier_prefill_riding_tokens",
+                                     "Of the tokens prefilled, those computed inside Step "
+                                     "calls' forward passes (chunked prefill beside the "
+                                     "running batch).", labels, registry=r).labels(**self._m)
         self.tree_nodes = Counter(PREFIX + "verifier_tree_nodes",
                                   "Draft tree nodes verified.", labels,
                                   registry=r).labels(**self._m)

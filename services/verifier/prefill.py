@@ -70,6 +70,9 @@ class PendingPrefill:
 class PrefillJob:
     items: list[PendingPrefill]
     outs: list[PrefillOut] = field(default_factory=list)
+    # Why it stopped riding in steps (its next chunk could not be set up); the Prefill call
+    # then computes it itself, and reports the error the usual way.
+    error: Exception | None = None
 
 
 class Prefiller:
@@ -191,6 +194,51 @@ class Prefiller:
         of one computed before it in the same call."""
         budget = self._prefill_budget() if budget is None else budget
         left = budget or None
+        while (nxt := self._next_chunk(job, left)) is not None:
+            item, chunk = nxt
+            started = time.perf_counter()
+            logits = self._forward_chain(item.slot, item.done, chunk, item.features is not None)
+            discount_rate(self.prefill_rate, len(chunk), time.perf_counter() - started)
+            self._chunk_computed(job, item, chunk, logits, self.executor.features)
+            left = None if left is None else left - len(chunk)
+        return prefill_done(job)
+
+    def ride_prefill(self, job: PrefillJob) -> None:
+        """Compute ``job``'s prompts inside the coming steps' forward passes, a chunk each
+        (``_step``), rather than in engine calls of their own: a running stream then waits
+        for a chunk's tokens, not for a forward's fixed cost as well (about 35 ms of
+        weight reads on this CPU, more than a 4-stream step's own tokens)."""
+        if job not in self.riding:
+            self.riding.append(job)
+
+    @property
+    def rides_prefill(self) -> bool:
+        """Whether prefill chunks can ride in steps here (the local CPU executor, chunked
+        prefill on)."""
+        return getattr(self.executor, "rides_prefill", False) \
+            and self.config.prefill_step_ratio > 0
+
+    def _ride_chunk(self) -> tuple[PrefillJob, PendingPrefill, list[int]] | None:
+        """The chunk of a riding Prefill this step computes, if one is under way."""
+        for job in list(self.riding):
+            if prefill_done(job):
+                self.riding.remove(job)
+                continue
+            try:
+                nxt = self._next_chunk(job, self._prefill_budget(riding=True))
+            except Exception as exc:  # never the step's failure: the Prefill call's
+                job.error = exc
+                self.riding.remove(job)
+                continue
+            if nxt is not None:
+                return job, *nxt
+        return None
+
+    def _next_chunk(self, job: PrefillJob, left: int | None
+                    ) -> tuple[PendingPrefill, list[int]] | None:
+        """The next sequence of ``job`` with prompt left and its next chunk (at most
+        ``left`` tokens; None: ``prefill_chunk``), its slot taken first if need be; None
+        when the job is done or ``left`` is spent."""
         for item in job.items:
             if item.out is not None:
                 continue
@@ -198,52 +246,58 @@ class Prefiller:
                 item.slot, item.done, item.features = self._take_slot(item.spec)
                 self.reserved -= 1
                 item.reused = item.done
+            if left is not None and left <= 0:
+                return None
             prompt = item.spec.token_ids
-            while item.done < len(prompt) and (left is None or left > 0):
-                size = self.config.prefill_chunk if left is None else min(
-                    left, self.config.prefill_chunk)
-                if left is not None and len(prompt) - item.done <= self.config.prefill_chunk // 2:
-                    # The rest of a prompt this short in one call: a call costs ~35 ms of
-                    # weight reads before its first token on this CPU, so splitting a short
-                    # prompt cost 4-stream MT-Bench ~8% of its throughput (and its TTFT).
-                    size = len(prompt) - item.done
-                chunk = prompt[item.done : item.done + size]
-                started = time.perf_counter()
-                item.logits = self._forward_chain(item.slot, item.done, chunk,
-                                                  item.features is not None)
-                discount_rate(self.prefill_rate, len(chunk), time.perf_counter() - started)
-                if item.features is not None:
-                    item.features[item.done : item.done + len(chunk)] = \
-                        self.executor.features[0]
-                item.done += len(chunk)
-                left = None if left is None else left - len(chunk)
-            if item.done < len(prompt):
-                return False
-            item.out = self._first_token(item)
-            job.outs.append(item.out)
-            self.prefilling.discard(item.spec.sequence_id)
-        return True
+            size = self.config.prefill_chunk if left is None else min(
+                left, self.config.prefill_chunk)
+            if left is not None and len(prompt) - item.done <= self.config.prefill_chunk // 2:
+                # The rest of a prompt this short in one call: a call costs ~35 ms of weight
+                # reads before its first token on this CPU, so splitting a short prompt
+                # cost 4-stream MT-Bench ~8% of its throughput (and its TTFT).
+                size = len(prompt) - item.done
+            return item, prompt[item.done : item.done + size]
+        return None
 
-    def _prefill_budget(self) -> int:
-        """Prompt tokens for the next engine call of a Prefill (0: all): ``prefill_chunk``
-        while no live sequence waits on this verifier; else about what computes in
-        ``prefill_step_ratio`` steps' time (the measured step time x prefill rate, at least
-        ``MIN_PREFILL_TOKENS``), so a running stream's next token waits about that much
-        longer, not for the whole prompt. (A prompt's rest of at most half
-        ``prefill_chunk`` goes in one call whatever the budget.)"""
+    def _chunk_computed(self, job: PrefillJob, item: PendingPrefill, chunk: list[int],
+                        logits: torch.Tensor, features: torch.Tensor | None) -> None:
+        """``chunk`` of ``item``'s prompt is in its slot (``logits``: after its last token;
+        ``features [1, len(chunk), H]``); a finished prompt picks its first token and the
+        sequence is live."""
+        if item.features is not None:
+            item.features[item.done : item.done + len(chunk)] = features[0]
+        item.done += len(chunk)
+        item.logits = logits
+        if item.done < len(item.spec.token_ids):
+            return
+        item.out = self._first_token(item)
+        job.outs.append(item.out)
+        self.prefilling.discard(item.spec.sequence_id)
+
+    def _prefill_budget(self, riding: bool = False) -> int:
+        """Prompt tokens for the next chunk of a Prefill (0: all): ``prefill_chunk`` while
+        no live sequence waits on this verifier; else about what computes in
+        ``prefill_step_ratio`` steps' time (at least ``MIN_PREFILL_TOKENS``), so a running
+        stream's next token waits about that much longer, not for the whole prompt. A chunk
+        riding in a step costs its tokens (``ride_rate``: measured, what riding chunks added
+        to their steps); one in an engine call of its own costs a forward as well
+        (``prefill_rate``). (A prompt's rest of at most half ``prefill_chunk`` goes in one
+        chunk whatever the budget.)"""
         if not self.sequences or not self.step_rate[1]:
             return self.config.prefill_chunk
         if self.config.prefill_step_ratio <= 0:
             return 0
         step_s = self.step_rate[1] / self.step_rate[0]  # seconds per step
-        tokens_per_s = self.prefill_rate[0] / self.prefill_rate[1] if self.prefill_rate[1] \
-            else 0.0
+        rate = self.ride_rate if riding and self.ride_rate[1] > 0 else self.prefill_rate
+        tokens_per_s = rate[0] / rate[1] if rate[1] else 0.0
         tokens = int(self.config.prefill_step_ratio * step_s * tokens_per_s)
         return max(MIN_PREFILL_TOKENS, min(self.config.prefill_chunk, tokens))
 
     def abort_prefill(self, job: PrefillJob) -> None:
         """A Prefill call that ended before its job (the caller went away): the slots it
         took are freed, the sequences it finished released."""
+        if job in self.riding:
+            self.riding.remove(job)
         for item in job.items:
             self.prefilling.discard(item.spec.sequence_id)
             if item.out is not None:
@@ -294,9 +348,19 @@ class Prefiller:
                        features: bool = False) -> torch.Tensor:
         """Causal forward of ``chunk`` at cache positions ``start...``; last row's logits
         (and with ``features``, every row's in ``executor.features``)."""
-        tree = TokenTree.chain(chunk[1:])
-        batch = TreeBatch.build([tree], [chunk[0]], [start])
-        return self.executor.forward(ForwardArgs(
-            batch.tokens, batch.position_ids, torch.tensor([slot]), torch.tensor([start]),
-            batch.visibility(start + len(chunk)), last_only=True, features=features,
-        ))
+        return self.executor.forward(chain_args(slot, start, chunk, features))
+
+
+def chain_args(slot: int, start: int, chunk: list[int], features: bool = False
+               ) -> ForwardArgs:
+    """The forward of a prompt's ``chunk`` at cache positions ``start...`` of ``slot``:
+    causal, the last query's logits (every query's features with ``features``)."""
+    batch = TreeBatch.build([TokenTree.chain(chunk[1:])], [chunk[0]], [start])
+    return ForwardArgs(batch.tokens, batch.position_ids, torch.tensor([slot]),
+                       torch.tensor([start]), batch.visibility(start + len(chunk)),
+                       last_only=True, features=features)
+
+
+def prefill_done(job: PrefillJob) -> bool:
+    """Whether every sequence of a Prefill call is prefilled (or the call was aborted)."""
+    return all(item.out is not None for item in job.items)

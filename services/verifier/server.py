@@ -17,6 +17,7 @@ from opentelemetry import trace
 
 from services.verifier.engine import PrefillSpec, StepItem, VerifierEngine
 from services.verifier.metrics import VerifierMetrics
+from services.verifier.prefill import PrefillJob, prefill_done
 from specinfer import tracing
 from specinfer.constraints import InvalidConstraint
 from specinfer.errors import InvalidArgument, ResourceExhausted
@@ -41,6 +42,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.metrics = metrics if metrics is not None else VerifierMetrics("")
         self.draining = False  # shutting down: no new sequences (Prefill is refused)
+        self.stepped = asyncio.Event()  # set (and replaced) as each Step call ends
+        self.riding_counted = 0  # the engine's riding_tokens in the metrics so far
 
     def _measured(self, fn, *args):
         """``fn(engine, *args)``, then the cache's state (read here: only this thread
@@ -87,9 +90,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return engine.begin_prefill(specs)
 
         job, seconds = await self._call(context, "Prefill", run)
-        done = False
+        done, ride = False, True
         try:  # a chunk of the prompts at a time, so queued Step calls run in between
             while not done:
+                # Riding in steps until a wait for one times out (then no more waits).
+                ride = ride and await self._ride(job)
+                if ride:
+                    done = prefill_done(job)
+                    continue
                 done, chunk_seconds = await self._call(context, "Prefill",
                                                        VerifierEngine.advance_prefill, job)
                 seconds += chunk_seconds
@@ -117,6 +125,30 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                        logprob=_first_logprob(r.logprobs)) for r in out
         ])
 
+    async def _ride(self, job: PrefillJob) -> bool:
+        """While sequences are stepping here, let ``job``'s chunks ride in their steps
+        (``VerifierEngine.ride_prefill``) and wait for the next step; False when that
+        cannot be, or no step came for a few steps' time (the batch went idle: the call
+        computes its chunks itself)."""
+        engine = self.engine
+        if not engine.rides_prefill or not engine.sequences or job.error is not None:
+            return False
+        # The engine thread only reads the list and removes finished or failed jobs: an
+        # append from here is safe (one bytecode under the GIL).
+        engine.ride_prefill(job)
+        step_s = engine.step_rate[1] / engine.step_rate[0] if engine.step_rate[0] else 0.1
+        stepped = self.stepped
+        try:
+            await asyncio.wait_for(stepped.wait(), timeout=max(0.25, 4 * step_s))
+        except TimeoutError:
+            return False
+        return True
+
+    def _pulse(self) -> None:
+        """A step finished: wake the Prefill calls waiting to ride the next one."""
+        stepped, self.stepped = self.stepped, asyncio.Event()
+        stepped.set()
+
     async def _compile(self, context: grpc.aio.ServicerContext, items
                        ) -> tuple[list, float, int]:
         """Each item's constraint (or None), its grammar compiled (or found in the cache)
@@ -142,10 +174,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return out, compile_s, hits
 
     async def Step(self, request, context):
-        out, seconds = await self._call(context, "Step", lambda engine: engine.step(
-            [step_item_from_proto(item, f"items[{i}]") for i, item in enumerate(request.items)]))
+        try:
+            out, seconds = await self._call(context, "Step", lambda engine: engine.step(
+                [step_item_from_proto(item, f"items[{i}]")
+                 for i, item in enumerate(request.items)]))
+        finally:
+            self._pulse()
         nodes = [r.drafted_nodes for r in out]
         self.metrics.call("Step", len(out), max(nodes, default=0), seconds)
+        self.metrics.riding_tokens.inc(self.engine.riding_tokens - self.riding_counted)
+        self.riding_counted = self.engine.riding_tokens
         self.metrics.grammar_step(self.engine.grammar_seconds, self.engine.forced_tokens)
         self.metrics.tree_nodes.inc(sum(nodes))
         if out:
