@@ -227,6 +227,14 @@ class LlamaRuntime:
         runtime.model = model
         return runtime
 
+    @property
+    def packs(self) -> bool:
+        """Whether padded rows run their linears on their real queries only (``packed``)
+        and batches can share a pass (``segments_forward``): on the CPU, eager. (A GPU pads
+        cheaply and replays graphs of fixed shapes; inductor failed to lower the packed
+        loop's dynamic shapes.)"""
+        return not self.placement.cuda and self._compiled is None
+
     def linear(self, module: torch.nn.Module, measure: bool = True):
         """``module`` as this runtime runs a linear (in its placement's format)."""
         return fused([module], self.placement, measure)
@@ -293,12 +301,38 @@ class LlamaRuntime:
         """The layer loop itself, eager: device tensors only, no host reads, so CUDA graphs
         capture it and ``torch.compile`` compiles it (``layers_forward`` picks which runs).
         ``slots`` may also be ``[B, Q]``: each query's write slot (graph padding).
-        ``packed``: see ``layers_forward``."""
+        ``packed``: see ``layers_forward`` (eager only: ``_layers``, whose per-part
+        bookkeeping inductor failed to lower with dynamic shapes)."""
         b, q, width = hidden.shape
         rows = self._rows(hidden, positions, slots, offsets, visible, key_len, packed)
-        if packed is not None:  # the residual stream holds the real queries only
-            hidden = hidden.reshape(b * q, width).index_select(0, packed)
-        return self._layers(hidden, [rows])
+        if packed is not None:
+            return self._layers(hidden.reshape(b * q, width).index_select(0, packed), [rows])
+        act, attn_dtype = hidden.dtype, self.attn_dtype
+        cos, sin, write_slot, write_pos = rows.cos, rows.sin, rows.write_slot, rows.write_pos
+        slots, mask, window_masks, single = rows.slots, rows.mask, rows.window_masks, rows.single
+        kv_heads = self.cache.k.shape[3]
+        for i, (layer, proj) in enumerate(zip(self.layers, self.proj, strict=True)):
+            heads = proj.qkv(rms_norm(layer.input_layernorm, hidden))
+            heads = heads.view(b, q, -1, self.head_dim).to(attn_dtype)  # [q | k | v] heads
+            split = heads.shape[2] - kv_heads
+            qk = heads[:, :, :split]  # rotary on q and k at once
+            qk = qk * cos + rotate_half(qk) * sin
+            qs, ks, vs = qk[:, :, : split - kv_heads], qk[:, :, split - kv_heads :], \
+                heads[:, :, split:]
+            ck, cv = self.cache.k[i], self.cache.v[i]
+            ck[write_slot, write_pos] = ks
+            cv[write_slot, write_pos] = vs
+            if single:  # a view, no copy
+                keys, values = ck[slots[0], :key_len][None], cv[slots[0], :key_len][None]
+            else:
+                keys, values = ck[slots, :key_len], cv[slots, :key_len]
+            out = self._attention(qs.transpose(1, 2), keys.transpose(1, 2),
+                                  values.transpose(1, 2),
+                                  window_masks.get(self.windows[i], mask))
+            hidden = hidden + proj.o(out.transpose(1, 2).reshape(b, q, -1).to(act))
+            gate, up = proj.gate_up(rms_norm(layer.post_attention_layernorm, hidden)).chunk(2, -1)
+            hidden = hidden + proj.down(layer.mlp.act_fn(gate) * up)
+        return hidden
 
     @torch.inference_mode()
     def segments_forward(self, parts: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
@@ -347,10 +381,12 @@ class LlamaRuntime:
         real queries one after another, ``[N, H]``."""
         act, attn_dtype = hidden.dtype, self.attn_dtype
         kv_heads = self.cache.k.shape[3]
-        bounds = [0]
-        for rows in parts:
-            bounds.append(bounds[-1] + (rows.b * rows.q if rows.packed is None
-                                        else rows.packed.shape[0]))
+        bounds = [0, 0]  # each part's queries in ``hidden`` (one part: all of them)
+        if len(parts) > 1:
+            bounds = [0]
+            for rows in parts:
+                bounds.append(bounds[-1] + (rows.b * rows.q if rows.packed is None
+                                            else rows.packed.shape[0]))
         for i, (layer, proj) in enumerate(zip(self.layers, self.proj, strict=True)):
             heads = proj.qkv(rms_norm(layer.input_layernorm, hidden))
             outs = []

@@ -95,7 +95,7 @@ class LocalExecutor:
         self.features: torch.Tensor | None = None  # [B, Q, H], of the last forward asking
         # A prefill chunk rides in a step's forward (forward_with_chunk) on the CPU; a GPU
         # runs steps through graphs of fixed shapes, and pads cheaply anyway.
-        self.rides_prefill = not runtime.placement.cuda
+        self.rides_prefill = runtime.packs
         self.chunk_features: torch.Tensor | None = None  # [1, C, H]: the chunk's, if asked
 
     @property
@@ -107,7 +107,7 @@ class LocalExecutor:
         rt = self.runtime
         b, q = args.tokens.shape
         packed = None
-        if args.lengths is not None and not args.last_only and not rt.placement.cuda:
+        if args.lengths is not None and not args.last_only and rt.packs:
             packed = packed_queries(args.lengths, q)
         hidden = rt.layers_forward(rt.embed(rt.to_device(args.tokens)), args.positions,
                                    args.slots, args.offsets, args.visible, args.key_len,
