@@ -324,7 +324,7 @@ class Scheduler:
         if self.policy and any(r.speculation for r in batch):
             # The shadow modes are measured by their shadow drafts, not by running them.
             measured = drafted and not mode.shadow
-            disturbed = disturbed or bool(self.admitting) or self.admissions != admissions
+            disturbed = disturbed or self.admissions != admissions  # or one began since
             self.policy.record(len(batch), greedy, index if drafted else 0,
                                time.monotonic() - started,
                                {r.id: len(r.generated) - before[r.id] for r in speculating}

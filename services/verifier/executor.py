@@ -76,8 +76,11 @@ class Executor(Protocol):
         ...
 
 
-def unpack(rows: torch.Tensor, packed: torch.Tensor, b: int, q: int) -> torch.Tensor:
-    """``rows [N, D]`` of the real queries laid out as ``[B, Q, D]``, zero at padding."""
+def unpack(rows: torch.Tensor, packed: torch.Tensor | None, b: int, q: int) -> torch.Tensor:
+    """``rows [N, D]`` of the real queries laid out as ``[B, Q, D]``, zero at padding
+    (``packed`` None: ``rows`` are all ``B * Q`` queries already)."""
+    if packed is None:
+        return rows.view(b, q, -1)
     out = rows.new_zeros(b * q, rows.shape[-1]).index_copy_(0, packed, rows)
     return out.view(b, q, -1)
 
@@ -113,9 +116,7 @@ class LocalExecutor:
                                    args.slots, args.offsets, args.visible, args.key_len,
                                    packed)
         if packed is not None:  # [N, H]: the real queries'; padding's rows come back zero
-            normed = rt.final_norm(hidden)
-            self.features = unpack(normed, packed, b, q) if args.features else None
-            return unpack(rt.head(normed), packed, b, q)
+            return self._outputs(rt.final_norm(hidden), packed, b, q, args.features)
         if args.last_only and not args.features:
             hidden = hidden[:, -1:]
         normed = rt.final_norm(hidden)
@@ -139,15 +140,17 @@ class LocalExecutor:
              args.visible, args.key_len, packed),
             (rt.embed(rt.to_device(chunk.tokens)), chunk.positions, chunk.slots,
              chunk.offsets, chunk.visible, chunk.key_len, None)])
-        normed, chunk_normed = rt.final_norm(main), rt.final_norm(ride)
+        chunk_normed = rt.final_norm(ride)
         self.chunk_features = chunk_normed[None] if chunk.features else None
-        if packed is None:
-            self.features = normed.view(b, q, -1) if args.features else None
-            logits = rt.head(normed).view(b, q, -1)
-        else:
-            self.features = unpack(normed, packed, b, q) if args.features else None
-            logits = unpack(rt.head(normed), packed, b, q)
-        return logits, rt.head(chunk_normed[-1:])[None]
+        return (self._outputs(rt.final_norm(main), packed, b, q, args.features),
+                rt.head(chunk_normed[-1:])[None])
+
+    def _outputs(self, normed: torch.Tensor, packed: torch.Tensor | None, b: int, q: int,
+                 features: bool) -> torch.Tensor:
+        """Logits ``[B, Q, V]`` from the real queries' normed states ``[N, H]`` (features
+        kept as ``[B, Q, H]`` if asked)."""
+        self.features = unpack(normed, packed, b, q) if features else None
+        return unpack(self.runtime.head(normed), packed, b, q)
 
     def compact(self, slot: int, src: list[int], dst: list[int]) -> None:
         self.runtime.cache.compact(slot, src, dst)
