@@ -58,6 +58,11 @@ prometheus:
 test-fast: setup
 	$(VENV)/bin/pytest -m "not processes and not slow"
 
+# The wider cases of what `make test` checks once (marker `matrix`: more formats, sampling
+# parameters, endpoints; the training pipeline end to end): about 2 minutes.
+test-matrix: setup
+	SPECINFER_MATRIX=1 $(VENV)/bin/pytest -m matrix
+
 # Structured output's full matrix: every constraint in every number format (float32,
 # bfloat16, int8) under every kind of draft, and the stack tests (`make test` runs a
 # cross-section).

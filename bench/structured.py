@@ -20,6 +20,7 @@ import json
 import shlex
 import statistics
 import time
+import urllib.request
 from datetime import date
 from pathlib import Path
 
@@ -125,11 +126,53 @@ def _example(schema: dict):
     return {"string": "text", "integer": 42, "number": 0.5, "boolean": True}[kind]
 
 
-async def through_stack(addr: str, pairs: list[tuple[str, dict]], max_tokens: int) -> dict:
+# Where a step's time goes, from the services' /metrics (sums over every series): the
+# router's iterations, its Speculate and Step calls, the verifier engine's steps and the
+# share of them spent on constraints, the speculator's drafting.
+PHASES = {
+    "iterations": "specinfer:steps_total",
+    "draft_calls": "specinfer:draft_latency_seconds_count",
+    "draft_s": "specinfer:draft_latency_seconds_sum",
+    "step_calls": "specinfer:verify_latency_seconds_count",  # Prefill calls too
+    "step_call_s": "specinfer:verify_latency_seconds_sum",
+    "engine_steps": "specinfer:verifier_step_seconds_count",
+    "engine_step_s": "specinfer:verifier_step_seconds_sum",
+    "grammar_s": "specinfer:grammar_mask_seconds_total",
+    "speculate_s": "specinfer:speculate_seconds_sum",
+}
+
+
+def phase_totals(metrics_base: int | None, ports: int = 8) -> dict[str, float]:
+    totals = dict.fromkeys(PHASES, 0.0)
+    for port in range(metrics_base, metrics_base + ports) if metrics_base else ():
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                          timeout=5).read().decode()
+        except OSError:  # no service on that port
+            continue
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            for phase, metric in PHASES.items():
+                if name == metric:
+                    totals[phase] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def per_iteration(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Milliseconds per router iteration of each phase between two snapshots."""
+    delta = {k: after[k] - before[k] for k in PHASES}
+    n = max(delta["iterations"], 1.0)
+    return {"iterations": delta["iterations"],
+            **{f"{k[:-2]}_ms": 1e3 * delta[k] / n for k in PHASES if k.endswith("_s")}}
+
+
+async def through_stack(addr: str, pairs: list[tuple[str, dict]], max_tokens: int,
+                        metrics_base: int | None = None) -> dict:
     import jsonschema
 
     async def run(speculation: bool, constrained: bool) -> dict:
         tokens, steps, speculative, elapsed, texts, valid = 0, 0, 0, 0.0, [], 0
+        before = phase_totals(metrics_base)
         async with AsyncClient(addr, timeout=600) as client:
             for prompt, schema in pairs:
                 start = time.perf_counter()
@@ -149,7 +192,8 @@ async def through_stack(addr: str, pairs: list[tuple[str, dict]], max_tokens: in
                         pass
         return {"tokens_per_s": tokens / elapsed, "tokens": tokens,
                 "tokens_per_step": tokens / steps, "speculative_share": speculative / steps,
-                "valid": valid, "texts": texts}
+                "valid": valid, "texts": texts,
+                "phases": per_iteration(before, phase_totals(metrics_base))}
 
     await run(True, True)  # warm-up: compiles every schema once, as a server would have
     rows = {}
@@ -195,7 +239,7 @@ def main() -> None:
         ["--metrics-port", str(metrics_base)]
     with Stack(flags) as stack:
         report["stack"] = asyncio.run(through_stack(stack.addr, requests(args.requests),
-                                                    args.max_tokens))
+                                                    args.max_tokens, metrics_base))
         report["grammar_cache"] = cache_lookups(metrics_base)
     cache = report["grammar_cache"]
     print(f"grammar cache (the verifiers' metrics): {cache['hit']} hits, {cache['miss']} "
@@ -208,6 +252,13 @@ def main() -> None:
         print(f"{name:<14} {row['off']['tokens_per_s']:>9.1f} {row['on']['tokens_per_s']:>9.1f} "
               f"{row['speedup']:>7.2f}x {row['on']['tokens_per_step']:>11.2f} {valid:>6} "
               f"{row['identical']!s:>9}")
+    print("milliseconds per router iteration (from the services' metrics):")
+    for name, row in report["stack"].items():
+        for arm in ("off", "on"):
+            phases = row[arm]["phases"]
+            print(f"  {name:<14} {arm:<3} " + " ".join(
+                f"{k}={v:.1f}" if k.endswith("_ms") else f"{k}={v:.0f}"
+                for k, v in phases.items()))
     out = Path("bench/results") / f"structured-{date.today().isoformat()}" / "report.json"
     write_report(out, report)
 

@@ -35,6 +35,7 @@ def test_prompts_exclude_mtbench():
 
 
 @pytest.mark.slow  # trains a pool of SSMs and a draft head
+@pytest.mark.matrix  # 45 s: the training pipeline end to end (its parts are tested here)
 def test_boost_tuning_improves_the_pool_and_writes_loadable_ssms(tiny_chat_llm, tmp_path):
     cfg = BoostConfig(llm=tiny_chat_llm, out=tmp_path / "pool", pool_size=2, layers=1,
                       vocab=512, prompts=64, heldout=16, distill_tokens=4000, max_seq=128,

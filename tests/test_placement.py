@@ -240,7 +240,8 @@ def test_cuda_tensor_parallel_matches_one_gpu(tiny_llama):
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("fmt", [["--dtype", "bfloat16"], ["--quantize", "int8"]],
+@pytest.mark.parametrize("fmt", [["--dtype", "bfloat16"],
+                                 pytest.param(["--quantize", "int8"], marks=pytest.mark.matrix)],
                          ids=["bfloat16", "int8"])
 def test_the_stack_in_other_formats_speculates_exactly(tiny_chat_llm, fmt):
     """`specinfer up` passes the format to every model process: through the router, greedy

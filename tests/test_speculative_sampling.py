@@ -56,10 +56,12 @@ def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
 
 @pytest.mark.slow  # chi-square tests over thousands of samples
 @pytest.mark.parametrize("params,dtype", [
-    (SamplingParams(0.7), "float32"), (SamplingParams(1.0, top_p=0.8), "float32"),
+    pytest.param(SamplingParams(0.7), "float32", marks=pytest.mark.matrix),
+    (SamplingParams(1.0, top_p=0.8), "float32"),
     (SamplingParams(1.0, frequency_penalty=-2.0, presence_penalty=-2.0), "float32"),
-    (SamplingParams(1.0, min_tokens=2, min_tokens_stop_ids=tuple(range(0, 128, 2))),
-     "float32"),
+    pytest.param(SamplingParams(1.0, min_tokens=2,
+                                min_tokens_stop_ids=tuple(range(0, 128, 2))),
+                 "float32", marks=pytest.mark.matrix),
     (SamplingParams(0.7), "bfloat16"), (SamplingParams(0.7), "int8"),
 ], ids=["T=0.7", "top_p=0.8", "T=1 penalties=-2", "T=1 min_tokens=2", "T=0.7 bfloat16",
         "T=0.7 int8"])
@@ -95,7 +97,8 @@ def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params, d
 
 
 @pytest.mark.slow  # chi-square tests over thousands of samples
-@pytest.mark.parametrize("merged", [False, True], ids=["head", "merged"])
+@pytest.mark.parametrize("merged", [pytest.param(False, marks=pytest.mark.matrix), True],
+                         ids=["head", "merged"])  # merged: the head's drafts and an SSM's
 def test_the_verifiers_head_drafts_keep_the_distribution(tiny_llama, tmp_path, merged):
     """The same test for trees the verifier drafts itself: its draft head's sampled chain
     (source after the model-free ones) merged with prompt-lookup drafts, at T=0.8; and

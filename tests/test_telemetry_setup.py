@@ -54,7 +54,8 @@ def test_without_an_endpoint_nothing_is_installed_and_no_span_is_recorded():
 
 @pytest.mark.parametrize("flag,env", [
     ("http://127.0.0.1:4317", {}),
-    ("", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}),
+    pytest.param("", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"},
+                 marks=pytest.mark.matrix),
     ("", {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318/v1/traces",
           "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}),
 ])
