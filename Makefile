@@ -8,7 +8,7 @@ CHECKOV_VENV ?= .venv-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.setup-done
 PROTOS := $(wildcard proto/specinfer/v1/*.proto)
 
-.PHONY: test-structured
+.PHONY: test-structured test-matrix bench-anchors
 .PHONY: setup proto lint test test-fast run bench bench-quick soak fuzz bench-tracing gpu-wheels clean
 .PHONY: chart checkov-venv prometheus
 .PHONY: image
@@ -94,6 +94,14 @@ bench: setup
 
 bench-quick: setup
 	$(PY) -m bench.run --quick
+
+# The llama.cpp anchor: llama-cpp-python, built from source (about 5 minutes on 2 cores), in
+# its own venv so the project's pinned packages stay as they are; `make bench` and
+# bench/formats.py run it on the LLM's own GGUF beside the stack when it is there.
+ANCHORS_VENV := .venv-anchors
+bench-anchors:
+	test -x $(ANCHORS_VENV)/bin/python || python3 -m venv $(ANCHORS_VENV)
+	$(ANCHORS_VENV)/bin/pip install -q llama-cpp-python==0.3.36
 
 # The stack (default models) at capacity for SOAK_MINUTES with mixed and bad traffic, a
 # service killed every minute with SOAK_KILL=speculator|verifier|router: nothing lost, KV

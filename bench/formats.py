@@ -5,8 +5,8 @@ For each format (float32, bfloat16, int8) it starts ``specinfer up --dtype/--qua
 times its start-up (until the router reports SERVING), and generates every prompt through
 the gRPC SDK with speculation on (the default adaptive policy) and off. Anchors on the same
 prompts in the same run: transformers ``generate`` (float32, greedy), and llama.cpp on the
-same GGUF file when ``--llama-cpp-python`` names a Python with llama-cpp-python (built from
-source: ``pip install llama-cpp-python``, a few minutes), else reported missing.
+same GGUF file, run by the Python ``make bench-anchors`` installs llama-cpp-python into
+(``.venv-anchors``; or ``--llama-cpp-python``), else reported missing.
 Prints tokens/s and speedups; writes JSON.
 
     python -m bench.formats [--formats float32,bfloat16,int8] [--new-tokens 64]
@@ -48,6 +48,17 @@ def hf_generate(prompts: list[list[int]], new_tokens: int) -> list[float]:
     return rates
 
 
+# Where ``make bench-anchors`` installs llama-cpp-python (built from source: its own venv,
+# so the project's pinned torch and packages stay as they are).
+ANCHORS_PYTHON = Path(__file__).resolve().parent.parent / ".venv-anchors" / "bin" / "python"
+
+
+def anchors_python() -> str:
+    """The Python with llama-cpp-python: ``make bench-anchors``' venv if it was made, else
+    this one (which may have it)."""
+    return str(ANCHORS_PYTHON) if ANCHORS_PYTHON.exists() else sys.executable
+
+
 def llama_cpp(prompts: list[list[int]], new_tokens: int, python: str) -> list[float] | None:
     """llama.cpp on the LLM's own GGUF file, greedy, the same token ids, all cores; run by
     ``python`` (an environment with llama-cpp-python), or None where it is not installed."""
@@ -81,7 +92,7 @@ def main() -> None:
     ap.add_argument("--formats", default="float32,bfloat16,int8")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench/results/formats.json")
-    ap.add_argument("--llama-cpp-python", default=sys.executable,
+    ap.add_argument("--llama-cpp-python", default=anchors_python(),
                     help="a Python with llama-cpp-python installed (the llama.cpp anchor)")
     args = ap.parse_args()
     tok = load_tokenizer(DEFAULT_LLM)
@@ -97,7 +108,7 @@ def main() -> None:
     report["llama_cpp_tokens_per_s"] = statistics.median(cpp) if cpp else None
     print("llama.cpp: " + (f"{statistics.median(cpp):.1f} tok/s "
                            f"({statistics.median(cpp) / base:.2f}x)" if cpp
-                           else "not installed (pip install llama-cpp-python)"), flush=True)
+                           else "not installed (make bench-anchors)"), flush=True)
     for name in args.formats.split(","):
         row = stack_rates(FORMATS[name], texts, args.new_tokens)
         report["stack"][name] = row

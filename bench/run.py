@@ -5,7 +5,8 @@ Writes bench/results/<date>/{results.json, report.md, *.png} and prints a summar
 1. Latency at batch 1 on MT-Bench first turns (one per category with --quick, else
    --per-category each), greedy and T=0.7:
    transformers generate (plain), transformers assisted generation (our best SSM as
-   assistant_model) and prompt lookup; specinfer engine-only with speculation off / on
+   assistant_model) and prompt lookup, llama.cpp on the same GGUF (greedy; where
+   ``make bench-anchors`` installed it); specinfer engine-only with speculation off / on
    (model-free drafts only, 2 nodes; the default SSM tree; without --quick also a chain,
    the paper's tree and a dynamic tree),
    and the full gRPC stack off / on (adaptive). Runs are interleaved (A B A B ...) per
@@ -34,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from bench.formats import anchors_python, llama_cpp
 from bench.harness import Stack, format_on_off, speculation_on_off, time_prompts
 from services.router.policy import HEAD
 from services.speculator.engine import DEFAULT_EXPANSION, SpeculateSpec, SpeculatorEngine
@@ -235,6 +237,13 @@ def main() -> None:
                     by_cat.setdefault(prompt.category, {}).setdefault(name, []).append(
                         r["tokens"] / r["elapsed"])
             summary = {k: summarize(v) for k, v in runs.items()}
+            if mode == "greedy":  # llama.cpp on the same GGUF (make bench-anchors), greedy
+                cpp = llama_cpp([q.ids for q in prompts], args.new_tokens, anchors_python())
+                if cpp is not None:
+                    summary["llama.cpp"] = {"tokens_per_s": statistics.median(cpp),
+                                            "spread": [min(cpp), max(cpp)]}
+                else:
+                    print("llama.cpp: not installed (make bench-anchors)")
             base = summary["hf-generate"]["tokens_per_s"]
             for s in summary.values():
                 s["speedup"] = s["tokens_per_s"] / base

@@ -41,14 +41,16 @@ FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"),
 CLASSES = [
     ("linear", ("linear", "addmm", "aten::mm", "int8pack", "mkldnn")),
     ("attention", ("bmm", "matmul", "softmax", "scaled_dot", "baddbmm")),
-    ("norm+rotary", ("rsqrt", "pow", "mean", "neg", "rotate")),
+    ("norm+rotary", ("rms_norm", "rsqrt", "pow", "mean", "neg", "rotate")),
     ("elementwise", ("add", "mul", "silu", "sub", "div", "exp", "where", "masked_fill",
                      "sigmoid", "maximum", "fill")),
-    ("copy+index", ("copy", "_to_copy", "aten::to", "index", "cat", "clone", "contiguous",
+    ("copy+index", ("copy", "index", "cat", "clone", "contiguous",
                     "gather", "scatter", "select", "slice", "view", "reshape", "expand",
                     "narrow", "unsqueeze", "transpose", "permute", "as_strided", "empty",
-                    "stack", "split", "chunk", "t")),
+                    "stack", "split", "chunk", "detach", "alias")),
 ]
+# Names matched whole (as fragments they would match nearly every operator).
+EXACT = {"aten::t": "copy+index", "aten::to": "copy+index"}
 
 
 def copy_bandwidth(mib: int = 512, reps: int = 5) -> float:
@@ -78,6 +80,9 @@ def weight_bytes(config, fmt: str) -> int:
 
 def classify(name: str) -> str:
     low = name.lower()
+    if low in EXACT:
+        return EXACT[low]
+    low = low.split("::")[-1]
     for cls, parts in CLASSES:
         if any(p in low for p in parts):
             return cls

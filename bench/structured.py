@@ -142,12 +142,18 @@ PHASES = {
 }
 
 
-def phase_totals(metrics_base: int | None, ports: int = 8) -> dict[str, float]:
+def metrics_urls(http: str, metrics_base: int, ports: int = 8) -> list[str]:
+    """The router's /metrics (on the OpenAI port) and the services' (``up --metrics-port``
+    gives them ports from ``metrics_base`` on)."""
+    return [f"{http}/metrics",
+            *(f"http://127.0.0.1:{p}/metrics" for p in range(metrics_base, metrics_base + ports))]
+
+
+def phase_totals(urls: tuple[str, ...] | list[str]) -> dict[str, float]:
     totals = dict.fromkeys(PHASES, 0.0)
-    for port in range(metrics_base, metrics_base + ports) if metrics_base else ():
+    for url in urls:
         try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                          timeout=5).read().decode()
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
         except OSError:  # no service on that port
             continue
         for line in text.splitlines():
@@ -167,12 +173,12 @@ def per_iteration(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 
 async def through_stack(addr: str, pairs: list[tuple[str, dict]], max_tokens: int,
-                        metrics_base: int | None = None) -> dict:
+                        metrics: tuple[str, ...] | list[str] = ()) -> dict:
     import jsonschema
 
     async def run(speculation: bool, constrained: bool) -> dict:
         tokens, steps, speculative, elapsed, texts, valid = 0, 0, 0, 0.0, [], 0
-        before = phase_totals(metrics_base)
+        before = phase_totals(metrics)
         async with AsyncClient(addr, timeout=600) as client:
             for prompt, schema in pairs:
                 start = time.perf_counter()
@@ -193,7 +199,7 @@ async def through_stack(addr: str, pairs: list[tuple[str, dict]], max_tokens: in
         return {"tokens_per_s": tokens / elapsed, "tokens": tokens,
                 "tokens_per_step": tokens / steps, "speculative_share": speculative / steps,
                 "valid": valid, "texts": texts,
-                "phases": per_iteration(before, phase_totals(metrics_base))}
+                "phases": per_iteration(before, phase_totals(metrics))}
 
     await run(True, True)  # warm-up: compiles every schema once, as a server would have
     rows = {}
@@ -239,7 +245,8 @@ def main() -> None:
         ["--metrics-port", str(metrics_base)]
     with Stack(flags) as stack:
         report["stack"] = asyncio.run(through_stack(stack.addr, requests(args.requests),
-                                                    args.max_tokens, metrics_base))
+                                                    args.max_tokens,
+                                                    metrics_urls(stack.http, metrics_base)))
         report["grammar_cache"] = cache_lookups(metrics_base)
     cache = report["grammar_cache"]
     print(f"grammar cache (the verifiers' metrics): {cache['hit']} hits, {cache['miss']} "

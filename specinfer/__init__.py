@@ -4,15 +4,6 @@ import os
 
 __version__ = "0.1.0"
 
-# Exactness in bfloat16 rests on a row's output not depending on the rows batched with it
-# (a tree's rows against plain decoding's one). On CPUs with AMX (Sapphire Rapids and
-# later) oneDNN takes AMX kernels for some batch shapes, and their rows differ in the last
-# bit from the AVX-512 kernels' for the same row alone (measured: about 1 row in 100 at
-# k = 32..2304); capped at AVX-512 BF16, every shape takes the same kernels (a no-op on
-# CPUs without AMX). oneDNN reads this once, at its first use, so it is set on import,
-# before any; a value set by the user wins.
-os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-
 # Memory: oneDNN's primitive cache and torch's ideep cache each keep an entry per shape a
 # packed linear runs at (here: per number of token rows in a step), 1,024 each by default.
 # Every new row count cost ~0.6 MiB per weight shape, so a long-running verifier's C heap

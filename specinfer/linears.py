@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,38 +30,88 @@ log = logging.getLogger(__name__)
 Kernel = Callable[[torch.Tensor], torch.Tensor]  # flat [rows, in] -> [rows, out]
 
 
-# oneDNN's bfloat16 kernels give a row the same bits whatever the row count up to this
-# reduction length; beyond it they block the reduction differently for one row than for
-# many (measured on AVX-512 BF16), so longer reductions are cut into parts this long.
+# A bfloat16 row's bits must not depend on the rows beside it. oneDNN's AMX kernels
+# (Sapphire Rapids and later) give every row the bits it has alone up to 32 rows per call
+# (two 16-row tiles), at every reduction length, and other last bits from 33 rows on
+# (measured: SmolLM2's and TinyLlama's shapes, 1 and 2 threads); so calls are cut into
+# 32-row pieces. Its AVX-512 BF16 kernels (CPUs without AMX) keep a row's bits at every
+# row count up to a 1024-long reduction and block longer ones differently for one row
+# than for many; so their reductions are cut into 1024-long parts. Which of the two holds
+# is probed once per process (``bfloat16_plan``), on the kernels this CPU runs; where
+# neither does, every row runs alone (exact, slow).
 INVARIANT_K = 1024
+AMX_ROWS = 32
 
 
-def _packed(weight: torch.Tensor, bias: torch.Tensor | None, compiled: bool = False
-            ) -> Kernel | None:
+class Plan(NamedTuple):
+    """How a bfloat16 linear is cut so that its rows are batch-invariant."""
+
+    k_part: int  # reduction length per call (0: whole)
+    rows: int  # rows per call (0: all)
+
+
+_plan: Plan | None = None
+
+
+def bfloat16_plan() -> Plan:
+    """The first of (32-row pieces; 1024-long reductions) under which rows of a probe
+    weight come out the same at every row count as alone, else one row per call."""
+    global _plan
+    if _plan is None:
+        gen = torch.Generator().manual_seed(0)
+        k = 2 * INVARIANT_K + 256  # a reduction of more than two parts
+        weight = (torch.randn(64, k, generator=gen) * 0.05).to(torch.bfloat16)
+        x = (torch.randn(AMX_ROWS + 8, k, generator=gen) * 3).to(torch.bfloat16)
+        _plan = Plan(0, 1)
+        for plan in (Plan(0, AMX_ROWS), Plan(INVARIANT_K, 0)):
+            run = _packed(weight, None, plan=plan)
+            if run is None:
+                break
+            alone = torch.cat([run(x[i : i + 1]) for i in range(len(x))])
+            if all(torch.equal(run(x[:m]), alone[:m]) for m in (2, 7, 16, 17, AMX_ROWS, len(x))):
+                _plan = plan
+                break
+        log.info("bfloat16 linears", extra={"k_part": _plan.k_part, "rows": _plan.rows})
+    return _plan
+
+
+def _packed(weight: torch.Tensor, bias: torch.Tensor | None, compiled: bool = False,
+            plan: Plan | None = None) -> Kernel | None:
     """oneDNN with the weight reordered once (float32 or bfloat16), or None without it
     (or when compiled: inductor cannot lower the packed op with dynamic shapes). In
-    bfloat16 a row's output does not depend on how many rows come with it."""
+    bfloat16 calls are cut by ``bfloat16_plan`` so that a row's output does not depend on
+    how many rows come with it."""
     if compiled:
         return None
     k = weight.shape[1]
-    parts = 1 if weight.dtype == torch.float32 else -(-k // INVARIANT_K)
+    if plan is None:
+        plan = Plan(0, 0) if weight.dtype == torch.float32 else bfloat16_plan()
+    parts = -(-k // plan.k_part) if plan.k_part else 1
     bounds = [k * i // parts for i in range(parts + 1)]
     try:
         packed = [torch.ops.mkldnn._reorder_linear_weight(weight[:, a:b].contiguous(), 16)
                   for a, b in zip(bounds, bounds[1:], strict=False)]
     except (AttributeError, RuntimeError):  # a torch without oneDNN
         return None
-    if parts == 1:
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed[0], bias, "none", [], "")
 
-    def run(x: torch.Tensor) -> torch.Tensor:
+    def whole(x: torch.Tensor) -> torch.Tensor:
         out = bias
         for w, a, b in zip(packed, bounds, bounds[1:], strict=False):
-            part = torch.ops.mkldnn._linear_pointwise(x[:, a:b], w, None, "none", [], "")
-            out = part if out is None else out + part
+            xa = x if parts == 1 else x[:, a:b]
+            part = torch.ops.mkldnn._linear_pointwise(xa, w, None if parts > 1 else bias,
+                                                       "none", [], "")
+            out = part if out is None or parts == 1 else out + part
         return out
 
-    return run
+    if not plan.rows:
+        return whole
+
+    def pieces(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= plan.rows:
+            return whole(x)
+        return torch.cat([whole(p) for p in x.split(plan.rows)])
+
+    return pieces
 
 
 def _int8(weight: torch.Tensor, bias: torch.Tensor | None, act: torch.dtype) -> Kernel:
