@@ -368,9 +368,9 @@ class LlamaRuntime:
             write_slot, slots = slots, slots[:, 0]
         else:
             write_slot = slots[:, None].expand(b, q)
-        mask = None if visible is None else additive_mask(visible, attn_dtype)
-        window_masks = {w: additive_mask(self._window_visible(
-            visible, positions, slots, write_slot, write_pos, key_len, w), attn_dtype)
+        mask = None if visible is None else self._bias(visible)
+        window_masks = {w: self._bias(self._window_visible(
+            visible, positions, slots, write_slot, write_pos, key_len, w))
             for w in set(self.windows) if w is not None and key_len > w}
         return _Rows(b, q, cos[:, :, None, :], sin[:, :, None, :], slots, write_slot,
                      write_pos, key_len, mask, window_masks, packed,
@@ -425,6 +425,18 @@ class LlamaRuntime:
             hidden = hidden + proj.down(layer.mlp.act_fn(gate) * up)
         return hidden
 
+    def _bias(self, visible: torch.Tensor) -> torch.Tensor:
+        """Attention's additive mask over ``visible [B, Q, K]``: SDPA's ``[B, 1, Q, K]``;
+        for the batch-invariant attention, already laid out as its grouped scores
+        ``[B * Hkv, G * Q, K]`` (made once per forward, not once per layer)."""
+        mask = additive_mask(visible, self.attn_dtype)
+        if not self.batch_invariant:
+            return mask
+        b, _, q, keys = mask.shape
+        hkv = self.cache.k.shape[3]
+        g = self.config.num_attention_heads // self.config.num_key_value_heads
+        return mask[:, :, None].expand(b, hkv, g, q, keys).reshape(b * hkv, g * q, keys)
+
     @staticmethod
     def _window_visible(visible: torch.Tensor | None, positions: torch.Tensor,
                         slots: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
@@ -457,11 +469,14 @@ class LlamaRuntime:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         b, hq, nq, d = q.shape  # all float64 here
         hkv = k.shape[1]
-        grouped = q.reshape(b, hkv, (hq // hkv) * nq, d)  # q head h reads kv head h // g
-        scores = torch.matmul(grouped, k.transpose(-1, -2)) * (d ** -0.5)
-        if mask is not None:
-            scores = (scores.view(b, hkv, hq // hkv, nq, -1) + mask[:, :, None]).flatten(2, 3)
-        return torch.matmul(scores.softmax(-1), v).view(b, hq, nq, d)
+        g, keys = hq // hkv, k.shape[2]
+        grouped = q.reshape(b * hkv, g * nq, d)  # q head h reads kv head h // g
+        keys_t = k.reshape(b * hkv, keys, d).transpose(1, 2)
+        if mask is None:
+            scores = torch.bmm(grouped, keys_t).mul_(d ** -0.5)
+        else:  # scaled and masked inside the product (``grouped_bias``): one op, not three
+            scores = torch.baddbmm(mask, grouped, keys_t, alpha=d ** -0.5)
+        return torch.bmm(scores.softmax(-1), v.reshape(b * hkv, keys, d)).view(b, hq, nq, d)
 
     @torch.inference_mode()
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
