@@ -95,13 +95,19 @@ bench: setup
 bench-quick: setup
 	$(PY) -m bench.run --quick
 
-# The llama.cpp anchor: llama-cpp-python, built from source (about 5 minutes on 2 cores), in
+# The llama.cpp anchor: llama-cpp-python, built from source (about 4 minutes on 2 cores), in
 # its own venv so the project's pinned packages stay as they are; `make bench` and
-# bench/formats.py run it on the LLM's own GGUF beside the stack when it is there.
+# bench/formats.py run it on the LLM's own GGUF beside the stack when it is there. Built
+# for AVX-512 without AMX: the native build's AMX kernels crashed in the first decode on a
+# Sapphire Rapids VM (0.3.36). A CPU without AVX-512 needs those flags off.
 ANCHORS_VENV := .venv-anchors
+ANCHORS_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF \
+	-DGGML_AMX_TILE=OFF
 bench-anchors:
 	test -x $(ANCHORS_VENV)/bin/python || python3 -m venv $(ANCHORS_VENV)
-	$(ANCHORS_VENV)/bin/pip install -q llama-cpp-python==0.3.36
+	CMAKE_ARGS="$(ANCHORS_CMAKE)" $(ANCHORS_VENV)/bin/pip install -q --no-cache-dir \
+		llama-cpp-python==0.3.36
 
 # The stack (default models) at capacity for SOAK_MINUTES with mixed and bad traffic, a
 # service killed every minute with SOAK_KILL=speculator|verifier|router: nothing lost, KV

@@ -39,7 +39,7 @@ FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"),
            "int8": ("bfloat16", "int8")}
 # Operator name fragments by class, first match wins (aten and oneDNN names).
 CLASSES = [
-    ("linear", ("linear", "addmm", "aten::mm", "int8pack", "mkldnn")),
+    ("linear", ("linear", "addmm", "int8pack", "mkldnn", "mkl_")),
     ("attention", ("bmm", "matmul", "softmax", "scaled_dot", "baddbmm")),
     ("norm+rotary", ("rms_norm", "rsqrt", "pow", "mean", "neg", "rotate")),
     ("elementwise", ("add", "mul", "silu", "sub", "div", "exp", "where", "masked_fill",
@@ -50,7 +50,7 @@ CLASSES = [
                     "stack", "split", "chunk", "detach", "alias")),
 ]
 # Names matched whole (as fragments they would match nearly every operator).
-EXACT = {"aten::t": "copy+index", "aten::to": "copy+index"}
+EXACT = {"aten::t": "copy+index", "aten::to": "copy+index", "aten::mm": "linear"}
 
 
 def copy_bandwidth(mib: int = 512, reps: int = 5) -> float:

@@ -89,15 +89,17 @@ def test_speculation_equals_its_own_plain_decoding(tiny_llama, hf_model, placeme
                                        resolve("cpu", quantize="int8")],
                          ids=["bfloat16", "int8"])
 def test_rows_do_not_depend_on_the_batch(placement):
-    """The kernels themselves, at reduction lengths on both sides of INVARIANT_K."""
+    """The kernels themselves, at reduction lengths on both sides of INVARIANT_K and at
+    row counts on both sides of AMX_ROWS (oneDNN's AMX kernels block rows in 32s)."""
     gen = torch.Generator().manual_seed(0)
     for k in (64, 1536, 2304):
         module = torch.nn.Linear(k, 96, bias=False)
         module.weight.data = torch.randn(96, k, generator=gen) * 0.05
         linear = linears.build([module], placement)
-        x = torch.randn(33, k, generator=gen).to(torch.bfloat16)
+        x = torch.randn(70, k, generator=gen).to(torch.bfloat16)
         full = linear(x)
-        assert all(torch.equal(linear(x[i : i + 1]), full[i : i + 1]) for i in range(33))
+        assert all(torch.equal(linear(x[i : i + 1]), full[i : i + 1]) for i in range(70))
+        assert all(torch.equal(linear(x[:m]), full[:m]) for m in (17, 32, 33, 64))
         ref = x.float() @ module.weight.T
         assert (full.float() - ref).abs().max() <= 0.02 * ref.abs().max()
 
