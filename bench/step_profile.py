@@ -27,6 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.harness import write_report
+from bench.verifier_cost import PREFIX, random_tree
 from services.verifier.engine import EngineConfig
 from services.verifier.executor import ForwardArgs
 from services.verifier.factory import build_engine
@@ -34,14 +35,13 @@ from specinfer.models import DEFAULT_LLM
 from specinfer.placement import resolve
 from specinfer.tree import TokenTree, TreeBatch
 
-PREFIX = 128
 FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"),
            "int8": ("bfloat16", "int8")}
 # Operator name fragments by class, first match wins (aten and oneDNN names).
 CLASSES = [
     ("linear", ("linear", "addmm", "int8pack", "mkldnn", "mkl_")),
     ("attention", ("bmm", "matmul", "softmax", "scaled_dot", "baddbmm")),
-    ("norm+rotary", ("rms_norm", "rsqrt", "pow", "mean", "neg", "rotate")),
+    ("norm+rotary", ("rms_norm", "rsqrt", "pow", "mean", "neg", "rotate", "roll")),
     ("elementwise", ("add", "mul", "silu", "sub", "div", "exp", "where", "masked_fill",
                      "sigmoid", "maximum", "fill")),
     ("copy+index", ("copy", "index", "cat", "clone", "contiguous",
@@ -87,14 +87,6 @@ def classify(name: str) -> str:
         if any(p in low for p in parts):
             return cls
     return "other"
-
-
-def random_tree(n: int, vocab: int, gen: torch.Generator) -> TokenTree:
-    tree = TokenTree()
-    while len(tree) < n:
-        parent = int(torch.randint(-1, len(tree), (1,), generator=gen)) if len(tree) else -1
-        tree.add(parent, int(torch.randint(0, vocab, (1,), generator=gen)))
-    return tree
 
 
 def profile_format(llm: str, fmt: str, reps: int) -> dict:
