@@ -263,3 +263,24 @@ def test_the_stack_in_other_formats_speculates_exactly(tiny_chat_llm, fmt):
             assert on.token_ids == off.token_ids
             assert on.stats.speculative_steps > 0
             assert on.dtype == ("bfloat16" if "bfloat16" in fmt else "int8-bfloat16")
+
+
+def test_bfloat16_rows_run_alone_where_no_batching_rule_holds(monkeypatch):
+    """On a CPU whose kernels give a row other bits in a batch than alone under both rules
+    (AMX's 32-row pieces, AVX-512's 1024-long reductions), the probe falls back to one row
+    per call: slow, still exact. Stands in for such a CPU: oneDNN's op, perturbed by the
+    row count."""
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def batch_dependent(x, *args):
+        out = real(x, *args)
+        return out if x.shape[0] == 1 else out * (1 + 2 ** -6)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", batch_dependent)
+    monkeypatch.setattr(linears, "_plan", None)
+    assert linears.bfloat16_plan() == linears.Plan(0, 1)
+    module = torch.nn.Linear(1536, 64, bias=False)
+    linear = linears.build([module], resolve("cpu", "bfloat16"))
+    x = torch.randn(9, 1536).to(torch.bfloat16)
+    full = linear(x)
+    assert all(torch.equal(linear(x[i : i + 1]), full[i : i + 1]) for i in range(9))
