@@ -21,6 +21,7 @@ import shlex
 import statistics
 import time
 import urllib.request
+from collections.abc import Sequence
 from datetime import date
 from pathlib import Path
 
@@ -149,7 +150,7 @@ def metrics_urls(http: str, metrics_base: int, ports: int = 8) -> list[str]:
             *(f"http://127.0.0.1:{p}/metrics" for p in range(metrics_base, metrics_base + ports))]
 
 
-def phase_totals(urls: tuple[str, ...] | list[str]) -> dict[str, float]:
+def phase_totals(urls: Sequence[str]) -> dict[str, float]:
     totals = dict.fromkeys(PHASES, 0.0)
     for url in urls:
         try:
@@ -173,7 +174,7 @@ def per_iteration(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 
 async def through_stack(addr: str, pairs: list[tuple[str, dict]], max_tokens: int,
-                        metrics: tuple[str, ...] | list[str] = ()) -> dict:
+                        metrics: Sequence[str] = ()) -> dict:
     import jsonschema
 
     async def run(speculation: bool, constrained: bool) -> dict:
@@ -213,14 +214,12 @@ async def through_stack(addr: str, pairs: list[tuple[str, dict]], max_tokens: in
     return rows
 
 
-def cache_lookups(metrics_base: int, ports: int = 8) -> dict:
-    """The verifiers' grammar cache lookups, summed over the services' /metrics (ports
-    ``metrics_base`` on, as ``up --metrics-port`` gives them)."""
+def cache_lookups(urls: Sequence[str]) -> dict:
+    """The verifiers' grammar cache lookups, summed over the pages at ``urls``."""
     counts = {"hit": 0.0, "miss": 0.0}
-    for port in range(metrics_base, metrics_base + ports):
+    for url in urls:
         try:
-            series = scrape(f"http://127.0.0.1:{port}/metrics",
-                            "specinfer:grammar_cache_lookups_total")
+            series = scrape(url, "specinfer:grammar_cache_lookups_total")
         except OSError:  # no service on that port (URLError is an OSError)
             continue
         for labels, value in series.items():
@@ -244,10 +243,10 @@ def main() -> None:
     flags = shlex.split(args.flags) + (["--llm", args.llm] if args.llm else []) + \
         ["--metrics-port", str(metrics_base)]
     with Stack(flags) as stack:
+        pages = metrics_urls(stack.http, metrics_base)
         report["stack"] = asyncio.run(through_stack(stack.addr, requests(args.requests),
-                                                    args.max_tokens,
-                                                    metrics_urls(stack.http, metrics_base)))
-        report["grammar_cache"] = cache_lookups(metrics_base)
+                                                    args.max_tokens, pages))
+        report["grammar_cache"] = cache_lookups(pages)
     cache = report["grammar_cache"]
     print(f"grammar cache (the verifiers' metrics): {cache['hit']} hits, {cache['miss']} "
           f"misses, hit rate {cache['hit_rate']:.3f}")

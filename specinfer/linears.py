@@ -94,22 +94,24 @@ def _packed(weight: torch.Tensor, bias: torch.Tensor | None, compiled: bool = Fa
     except (AttributeError, RuntimeError):  # a torch without oneDNN
         return None
 
-    def whole(x: torch.Tensor) -> torch.Tensor:
+    def one(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed[0], bias, "none", [], "")
+
+    def summed(x: torch.Tensor) -> torch.Tensor:  # the reduction cut into parts
         out = bias
         for w, a, b in zip(packed, bounds, bounds[1:], strict=False):
-            xa = x if parts == 1 else x[:, a:b]
-            part = torch.ops.mkldnn._linear_pointwise(xa, w, None if parts > 1 else bias,
-                                                       "none", [], "")
-            out = part if out is None or parts == 1 else out + part
+            part = torch.ops.mkldnn._linear_pointwise(x[:, a:b], w, None, "none", [], "")
+            out = part if out is None else out + part
         return out
 
+    run = one if parts == 1 else summed
     if not plan.rows:
-        return whole
+        return run
 
-    def pieces(x: torch.Tensor) -> torch.Tensor:
+    def pieces(x: torch.Tensor) -> torch.Tensor:  # at most plan.rows rows a call
         if x.shape[0] <= plan.rows:
-            return whole(x)
-        return torch.cat([whole(p) for p in x.split(plan.rows)])
+            return run(x)
+        return torch.cat([run(p) for p in x.split(plan.rows)])
 
     return pieces
 

@@ -14,13 +14,12 @@ that need it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from specinfer import linears
+from specinfer.layers import Norm, Projections, activation, fused, rotary, signed, sliding_windows
 from specinfer.placement import Placement
 from specinfer.tree import additive_mask
 
@@ -58,73 +57,6 @@ class KVCache:
         self.v[:, dst_slot, :length] = self.v[:, src_slot, :length]
 
 
-class Projections:
-    """One layer's linears as this runtime calls them: q/k/v and gate/up each as one matrix
-    (``[q | k | v]`` and ``[gate | up]`` outputs)."""
-
-    def __init__(self, layer: torch.nn.Module, placement: Placement, measure: bool) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = fused([attn.q_proj, attn.k_proj, attn.v_proj], placement, measure)
-        self.gate_up = fused([mlp.gate_proj, mlp.up_proj], placement, measure)
-        self.o = fused([attn.o_proj], placement, measure)
-        self.down = fused([mlp.down_proj], placement, measure)
-
-
-def fused(modules: list[torch.nn.Module], placement: Placement, measure: bool
-          ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The modules' outputs side by side: one fused linear for plain modules on the CPU;
-    on a GPU (graphs take away the launch cost; the modules' own weights, no copies) and
-    for sharded or quantized modules, the modules called one by one."""
-    if not placement.cuda and all(linears.plain(m) for m in modules):
-        return linears.build(modules, placement, measure)
-    if len(modules) == 1:
-        return linears.ModuleLinear(modules[0])
-    each = [linears.ModuleLinear(m) for m in modules]
-    return lambda x: torch.cat([f(x) for f in each], dim=-1)
-
-
-class Norm:
-    """A Llama-family RMSNorm module as the runtime calls it, by the fused op: in float32
-    bitwise the module's own (normalised, cast back, scaled); in other formats in one op
-    that accumulates in float32 and rounds once (one op costs less than four at one row).
-    Its weight and epsilon are read once: a module's attribute lookups at every call cost
-    ~0.3 ms a step."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.eps = getattr(module, "variance_epsilon", None)
-        self.weight = module.weight if self.eps is not None else None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.eps is None:
-            return self.module(x)
-        if x.dtype != torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
-
-
-def activation(mlp: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The MLP's activation: SiLU as the function itself (the module call around it cost
-    ~0.8 ms a step), any other as its module."""
-    act = mlp.act_fn
-    return F.silu if type(act).__name__ in ("SiLU", "SiLUActivation") else act
-
-
-def sliding_windows(config, first_layer: int, count: int) -> list[int | None]:
-    """Each layer's attention window (None: the whole context), as transformers applies
-    it: Mistral's ``sliding_window`` on every layer, Qwen2's on the layers its
-    ``layer_types`` mark ``sliding_attention``. A query at position p sees keys at
-    positions > p - window."""
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return [None] * count
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        return [window] * count
-    return [window if types[first_layer + i] == "sliding_attention" else None
-            for i in range(count)]
-
-
 def packed_queries(lengths: torch.Tensor, queries: int) -> torch.Tensor | None:
     """The flat indices (into ``B * queries``) of each row's first ``lengths[b]`` queries,
     or None when no row is padded. A batch of rows of unequal length (a tree beside a row
@@ -135,19 +67,6 @@ def packed_queries(lengths: torch.Tensor, queries: int) -> torch.Tensor | None:
         return None
     real = torch.arange(queries)[None, :] < lengths[:, None]
     return real.flatten().nonzero().squeeze(1)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` bit for bit, in one op fewer than four:
-    ``rotate_half(x)`` is ``x`` rolled by half with its first half negated, and
-    ``(-a) * s == a * (-s)`` exactly, so the sign goes on ``sin`` (``signed_sin``), once
-    per forward."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
 
 
 @dataclass
@@ -400,8 +319,7 @@ class LlamaRuntime:
         window_masks = {w: self._bias(self._window_visible(
             visible, positions, slots, write_slot, write_pos, key_len, w))
             for w in set(self.windows) if w is not None and key_len > w}
-        half = sin.shape[-1] // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        sin = signed(sin)
         return _Rows(b, q, cos[:, :, None, :], sin[:, :, None, :], slots, write_slot,
                      write_pos, key_len, mask, window_masks, packed,
                      single=b == 1 and not hidden.is_cuda)  # (a device scalar index syncs)
@@ -505,7 +423,7 @@ class LlamaRuntime:
         keys_t = k.reshape(b * hkv, keys, d).transpose(1, 2)
         if mask is None:
             scores = torch.bmm(grouped, keys_t).mul_(d ** -0.5)
-        else:  # scaled and masked inside the product (``grouped_bias``): one op, not three
+        else:  # scaled and masked inside the product (``_bias``): one op, not three
             scores = torch.baddbmm(mask, grouped, keys_t, alpha=d ** -0.5)
         return torch.bmm(scores.softmax(-1), v.reshape(b * hkv, keys, d)).view(b, hq, nq, d)
 

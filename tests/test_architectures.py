@@ -21,8 +21,8 @@ from transformers import (
 from services.verifier.engine import EngineConfig
 from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
+from specinfer.layers import sliding_windows
 from specinfer.placement import resolve
-from specinfer.runtime import sliding_windows
 
 VARIANTS = {
     "qwen2-bias-tied": (Qwen2ForCausalLM, Qwen2Config, {"tie_word_embeddings": True}),

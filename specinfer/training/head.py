@@ -28,8 +28,8 @@ from tqdm import tqdm
 
 from specinfer.data import select_conversations
 from specinfer.drafting.head import HEAD_MANIFEST, DraftHead, load_head
+from specinfer.layers import rotate_half
 from specinfer.models import ModelError, load_model, load_tokenizer, pool_vocab
-from specinfer.runtime import rotate_half
 from specinfer.training.examples import (
     answer_example,
     conversation_examples,
