@@ -49,6 +49,8 @@ def stack(processes, tiny_chat_llm):
     (b'{"prompt": "hi", "frequency_penalty": -3}', "frequency_penalty"),
     (b'{"prompt": "hi", "repetition_penalty": 0}', "repetition_penalty"),
     (b'{"prompt": "hi", "response_format": {"type": "xml"}}', "response_format.type"),
+    (b'{"prompt": "hi", "response_format": {"type": "json_object", "schema": {}}}',
+     "response_format.schema"),
     (b'{"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": '
      b'{"name": "x", "schema": {"type": "strange"}}}}', "response_format.json_schema.schema"),
     (b'{"prompt": "hi", "response_format": {"type": "json_object"}, "guided_regex": "a+"}',

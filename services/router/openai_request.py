@@ -232,6 +232,10 @@ def _response_format(fmt: object) -> Constraint | None:
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
         raise InvalidArgument("response_format", 'must be an object with a "type"')
     kind = fmt["type"]
+    extra = sorted(set(fmt) - ({"type", "json_schema"} if kind == "json_schema" else {"type"}))
+    if extra:  # as the OpenAPI spec says: a misspelt field is an error, not ignored
+        raise InvalidArgument(f"response_format.{extra[0]}",
+                              f"is not a field of a {kind!r} response_format")
     if kind == "text":
         return None
     if kind == "json_object":
