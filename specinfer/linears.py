@@ -4,8 +4,8 @@ A small model's decode step reads every weight once per token, so its speed is b
 weight and per-call overhead. Measured on the reference 2-core EPYC (AVX-512 BF16), per
 call for SmolLM2's shapes: oneDNN with weights packed once at load beats the default BLAS
 from 1 row on the big matrices (the 49152-row vocabulary head: 4.3 vs 10 ms in float32);
-bfloat16 packed halves that again; torch's weight-only int8 kernel
-(``aten._weight_int8pack_mm``) is fastest for 1-2 rows but grows linearly with rows. In
+bfloat16 packed halves that again; weight-only int8 has kernels of its own
+(``specinfer.int8``: AMX tiles or AVX-512 where the CPU has them, else torch's). In
 float32 BLAS and oneDNN both serve, crossing at a row count measured once per matrix at
 load; bfloat16 and int8 use one kernel for every row count, so that a row's output never
 depends on the rows beside it (speculation then reproduces plain decoding bit for bit).
@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from specinfer import int8
 from specinfer.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -116,22 +117,6 @@ def _packed(weight: torch.Tensor, bias: torch.Tensor | None, compiled: bool = Fa
     return pieces
 
 
-def _int8(weight: torch.Tensor, bias: torch.Tensor | None, act: torch.dtype) -> Kernel:
-    """Weight-only int8, symmetric, one scale per output row. The kernel computes each
-    output on its own (its bits do not depend on the other rows), reading a quarter of
-    float32's bytes; it grows with the row count, so trees cost more than in bfloat16."""
-    w = weight.float()
-    scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-    scale_act = scale.to(act)
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int8pack_mm(x, q, scale_act)
-        return out if bias is None else out + bias
-
-    return run
-
-
 class Linear:
     """One projection (possibly several fused, e.g. q/k/v): ``small`` serves up to
     ``small_rows`` rows, ``large`` the rest."""
@@ -182,7 +167,7 @@ def build(modules: list[torch.nn.Linear], placement: Placement, measure: bool = 
         w = weight.to(dev, act).contiguous()
         return Linear(out, lambda x: F.linear(x, w, bias))
     if placement.quantize == "int8":  # one kernel for every row count: batch-invariant
-        return Linear(out, _int8(weight, bias, act))
+        return Linear(out, int8.kernel(weight, bias, act))
     w = weight.to(act).contiguous()
     if act == torch.float32:
         packed = _packed(w, bias, placement.compile)

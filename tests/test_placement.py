@@ -16,7 +16,7 @@ from services.verifier.engine import EngineConfig
 from services.verifier.executor import ForwardArgs
 from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
-from specinfer import linears
+from specinfer import int8, linears
 from specinfer.placement import Placement, PlacementError, resolve
 from specinfer.tree import TokenTree, TreeBatch
 
@@ -104,16 +104,68 @@ def test_rows_do_not_depend_on_the_batch(placement):
         assert (full.float() - ref).abs().max() <= 0.02 * ref.abs().max()
 
 
-def test_int8_linears_stay_within_their_quantization_error():
+def int8_linear(out: int, k: int, gen: torch.Generator, act: torch.dtype, bias: bool = True):
+    module = torch.nn.Linear(k, out, bias=bias)
+    module.weight.data = torch.randn(out, k, generator=gen) * 0.05
+    return module, linears.build([module], resolve("cpu", str(act).removeprefix("torch."),
+                                                   "int8"))
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("name", int8.KERNELS)
+def test_int8_kernels_rows_do_not_depend_on_the_batch(monkeypatch, act, name):
+    """Every int8 kernel, at shapes off its tiles (37 outputs, a 100-long reduction) and
+    on them, at row counts across its 16-row tiles: a row's bits are its bits alone, and
+    within the quantization error of the float product."""
+    if name == "amx" and ("amx" not in int8._candidates() or int8._library() is None):
+        pytest.skip("this CPU has no AMX (or the kernels could not be built)")
+    monkeypatch.setenv("SPECINFER_INT8_KERNEL", name)
+    monkeypatch.setattr(int8, "_chosen", {})
     gen = torch.Generator().manual_seed(0)
-    module = torch.nn.Linear(256, 512)
-    module.weight.data = torch.randn(512, 256, generator=gen) * 0.05
-    linear = linears.build([module], resolve("cpu", quantize="int8"))
-    for rows in (1, 3, 17):
-        x = torch.randn(rows, 256, generator=gen)
+    for out, k in ((37, 100), (96, 576), (64, 1536)):
+        module, linear = int8_linear(out, k, gen, act)
+        assert int8.chosen(act) == name
+        x = torch.randn(40, k, generator=gen)
+        full = linear(x.to(act))
+        assert all(torch.equal(linear(x[i : i + 1].to(act)), full[i : i + 1]) for i in range(40))
+        assert all(torch.equal(linear(x[:m].to(act)), full[:m]) for m in (2, 15, 16, 17, 33))
         ref = module(x)
-        out = linear(x.to(torch.bfloat16)).float()
-        assert (out - ref).abs().max() <= 0.02 * ref.abs().max(), rows
+        assert (full.float() - ref).abs().max() <= 0.02 * ref.abs().max(), (out, k)
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_amx_int8_kernel_gives_the_references_bits(act):
+    """The AMX kernel against its torch._int_mm reference, bit for bit, on rows with a
+    zero row, an outlier and tiny values (the fixed point's edges)."""
+    if "amx" not in int8._candidates() or int8._library() is None:
+        pytest.skip("this CPU has no AMX (or the kernels could not be built)")
+    gen = torch.Generator().manual_seed(1)
+    for out, k in ((37, 100), (960, 576), (64, 1600)):
+        q, scale = int8.quantize(torch.randn(out, k, generator=gen) * 0.05)
+        x = torch.randn(21, k, generator=gen)
+        x[3] = 0
+        x[5, 7] = 3e4
+        x[8] *= 1e-30
+        x = x.to(act)
+        got = torch.ops.specinfer_int8.amx_linear(x, int8.amx_tiles(q), scale, out)
+        assert torch.equal(got, int8.reference(x, q, scale)), (out, k)
+        assert not got[3].any()
+
+
+def test_int8_probe_keeps_torchs_kernel_where_ours_disagrees(monkeypatch):
+    """A kernel whose rows change with the batch (stood in for by ours, perturbed by the
+    row count) fails the probe; the process then runs torch's."""
+    if "amx" not in int8._candidates() or int8._library() is None:
+        pytest.skip("this CPU has no AMX (or the kernels could not be built)")
+    real = int8._build
+
+    def batch_dependent(name, *args):
+        run = real(name, *args)
+        return lambda x: run(x) if x.shape[0] == 1 else run(x) * (1 + 2 ** -6)
+
+    monkeypatch.setattr(int8, "_build", batch_dependent)
+    monkeypatch.setattr(int8, "_chosen", {})
+    assert int8.chosen(torch.bfloat16) == "torch"
 
 
 def test_int8_engine_decodes_close_to_float32(tiny_llama, hf_model):

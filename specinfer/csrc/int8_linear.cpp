@@ -1,0 +1,185 @@
+// Weight-only int8 linears on AMX whose rows are batch-invariant by construction, because
+// every sum is an integer sum, and whose weight is read once per call straight into AMX's
+// tiles (no widening), however many rows come.
+//
+// Each row of x is fixed point: q = round(x / s) with s = max|x| / 8257536 (24 bits), split
+// into three int8 digits, q = 65536 d2 + 256 d1 + d0 (each in [-128, 127]). For every digit
+// TDPBSSD sums d * w in int32, exactly; then
+//     y[m, n] = float((65536 S2 + 256 S1 + S0) * s[m] * scale[n])     (in double)
+// so a row's result depends on nothing but its own values: not on the rows beside it, the
+// thread count or the CPU. specinfer/int8.py computes the same numbers with torch._int_mm
+// (its reference) and checks this kernel against it before using it.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <torch/extension.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
+
+namespace {
+
+constexpr int64_t kTile = 16;    // rows of a tile: x rows, k quads of the weight
+constexpr int64_t kTileK = 64;   // int8 k per tile row
+constexpr int64_t kTileBytes = kTile * kTileK;
+constexpr int kDigits = 3;
+constexpr float kFixedMax = 8257536.0f;  // 2^23 - 2^17: the top digit stays in [-128, 127]
+
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Weight blocks [b0, b1) against row tiles [mt0, mt1) of `rows` rows each, on one thread.
+// A tile is configured with just the rows it has: a tile load costs about one cycle per row
+// here (15 ns for 16 rows, 1 ns for one), and a plain step has one.
+// tmm0-2: the digits' int32 sums; tmm3-5: the digits of the rows; tmm6: the weight.
+AMX_TARGET void amx_pass(const int8_t* digits, int64_t digit_stride, int64_t mt0, int64_t mt1,
+                         int64_t rows, int64_t k_tiles, const int8_t* packed, const float* sx,
+                         const float* sw, int64_t N, bool bf16, void* y, int64_t b0,
+                         int64_t b1) {
+  TileConfig config;
+  for (int t = 0; t < 7; ++t) {
+    config.rows[t] = t == 6 ? kTile : rows;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  const int64_t width = k_tiles * kTileK;  // bytes per digit row
+  alignas(64) int32_t sums[kDigits][kTile * kTile];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int8_t* block = packed + b * k_tiles * kTileBytes;
+    const int64_t n0 = b * kTile, cols = std::min(kTile, N - n0);
+    for (int64_t mt = mt0; mt < mt1; ++mt) {
+      const int8_t* tile_rows = digits + mt * kTile * width;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      for (int64_t k = 0; k < k_tiles; ++k) {
+        _tile_loadd(6, block + k * kTileBytes, 64);
+        _tile_loadd(3, tile_rows + k * kTileK, width);
+        _tile_loadd(4, tile_rows + digit_stride + k * kTileK, width);
+        _tile_loadd(5, tile_rows + 2 * digit_stride + k * kTileK, width);
+        _tile_dpbssd(0, 3, 6);
+        _tile_dpbssd(1, 4, 6);
+        _tile_dpbssd(2, 5, 6);
+      }
+      _tile_stored(0, sums[0], 64);
+      _tile_stored(1, sums[1], 64);
+      _tile_stored(2, sums[2], 64);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t m = mt * kTile + r;
+        for (int64_t j = 0; j < cols; ++j) {
+          const int64_t i = r * kTile + j;
+          const double whole = 65536.0 * sums[2][i] + 256.0 * sums[1][i] + double(sums[0][i]);
+          const float v = float(whole * double(sx[m]) * double(sw[n0 + j]));
+          if (bf16) {
+            static_cast<at::BFloat16*>(y)[m * N + n0 + j] = at::BFloat16(v);
+          } else {
+            static_cast<float*>(y)[m * N + n0 + j] = v;
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+AVX512_TARGET inline __m512 load16(const float* p, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, p);
+}
+
+AVX512_TARGET inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {  // exact widening
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Row m of x as fixed point: its scale sx[m], and its digits at digits[d][m][k] (the
+// buffer is zeroed beyond K). Every lane does what the reference does, in float32:
+// q = round_half_even(x / s).
+template <typename T>
+AVX512_TARGET void to_digits(const T* x, int64_t M, int64_t K, int64_t width,
+                             int64_t digit_stride, int8_t* digits, float* sx) {
+  const __m512i half = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = x + m * K;
+    __m512 most = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+      most = _mm512_max_ps(most, _mm512_abs_ps(load16(row + k, mask)));
+    }
+    const float top = _mm512_reduce_max_ps(most);
+    const float s = top > 0.0f ? top / kFixedMax : 1.0f;
+    sx[m] = s;
+    const __m512 step = _mm512_set1_ps(s);
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+      __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(load16(row + k, mask), step));
+      for (int i = 0; i < kDigits; ++i) {
+        const __m512i d = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, half), byte), half);
+        _mm_mask_storeu_epi8(digits + i * digit_stride + m * width + k, mask,
+                             _mm512_cvtepi32_epi8(d));
+        q = _mm512_srai_epi32(_mm512_sub_epi32(q, d), 8);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// Linux gives a process AMX's tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA); false where the kernel or the CPU says no.
+bool amx_enable() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+
+// x [M, K] bfloat16 or float32; packed [ceil(N/16), ceil(K/64), 16, 16, 4] int8: B tiles,
+// row r holding k = 64t + 4r .. 64t + 4r + 3 of 16 columns; scale [N] float32.
+torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
+                         const torch::Tensor& scale, int64_t N) {
+  const bool bf16 = x_in.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x_in.dim() == 2 && (bf16 || x_in.scalar_type() == torch::kFloat),
+              "x: [rows, in] bfloat16 or float32");
+  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == torch::kInt8 &&
+                  packed.is_contiguous(), "packed: int8 B tiles");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.numel() == N &&
+                  scale.is_contiguous(), "scale: [out] float32");
+  const auto x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), k_tiles = packed.size(1);
+  TORCH_CHECK(K <= k_tiles * kTileK && packed.size(0) * kTile >= N, "x and packed disagree");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const int64_t width = k_tiles * kTileK, digit_stride = M * width;
+  static thread_local std::vector<int8_t> digits;  // [3][M][width], zeros past K
+  static thread_local std::vector<float> sx;
+  digits.assign(kDigits * digit_stride, 0);
+  sx.resize(M);
+  if (bf16) {
+    to_digits(x.data_ptr<at::BFloat16>(), M, K, width, digit_stride, digits.data(), sx.data());
+  } else {
+    to_digits(x.data_ptr<float>(), M, K, width, digit_stride, digits.data(), sx.data());
+  }
+  const int8_t* dp = digits.data();
+  const float* sxp = sx.data();
+  const int8_t* pp = packed.data_ptr<int8_t>();
+  const float* swp = scale.data_ptr<float>();
+  void* yp = y.data_ptr();
+  const int64_t full = M / kTile, rest = M % kTile;  // whole 16-row tiles, then the rest
+  at::parallel_for(0, packed.size(0), 4, [&](int64_t b0, int64_t b1) {
+    if (full) amx_pass(dp, digit_stride, 0, full, kTile, k_tiles, pp, sxp, swp, N, bf16, yp, b0, b1);
+    if (rest) amx_pass(dp, digit_stride, full, full + 1, rest, k_tiles, pp, sxp, swp, N, bf16, yp, b0, b1);
+  });
+  return y;
+}
+
+TORCH_LIBRARY(specinfer_int8, m) {
+  m.def("amx_enable() -> bool", &amx_enable);
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor scale, int n) -> Tensor", &amx_linear);
+}
