@@ -7,6 +7,7 @@ alternating A, B, B, A ... rounds cancel the drift).
     git worktree add /tmp/before 3865be9
     python -m bench.ab_local --code /tmp/before [--rounds 6] [--prompts 4]
                              [--new-tokens 64] [--draft none|lookup]
+                             [--format float32|bfloat16|int8]
 
 Each round runs each tree in a fresh process: build the engine, warm up on one prompt,
 then time MT-Bench first turns one at a time, greedy (``--draft lookup``: the verifier's
@@ -37,12 +38,15 @@ WORKER = textwrap.dedent("""
     from specinfer.chat import chat_prompt_ids
     from specinfer.data import mtbench_first_turns
     from specinfer.models import DEFAULT_LLM, load_tokenizer
+    from specinfer.placement import resolve
     from specinfer.plans import DraftPlan
 
     prompts_n, new_tokens, draft = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    placement = resolve("cpu", sys.argv[4], sys.argv[5])
     tokenizer = load_tokenizer(DEFAULT_LLM)
     prompts = [chat_prompt_ids(tokenizer, t) for _, t in mtbench_first_turns(1)][:prompts_n]
-    engine = build_engine(DEFAULT_LLM, EngineConfig(max_context=1024, slots=2))
+    engine = build_engine(DEFAULT_LLM, EngineConfig(max_context=1024, slots=2),
+                          placement=placement)
     plan = DraftPlan(("model_free",), 16) if draft == "lookup" else None
     generate_local(engine, prompts[:1], 16, draft=plan)  # warm-up
     tokens, elapsed, outputs = 0, 0.0, []
@@ -58,8 +62,14 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def run_tree(code: Path, prompts: int, new_tokens: int, draft: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", WORKER, str(prompts), str(new_tokens), draft],
+FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"),
+           "int8": ("bfloat16", "int8")}
+
+
+def run_tree(code: Path, prompts: int, new_tokens: int, draft: str, fmt: str = "float32"
+             ) -> dict:
+    out = subprocess.run([sys.executable, "-c", WORKER, str(prompts), str(new_tokens), draft,
+                          *FORMATS[fmt]],
                          cwd=code, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(code), "HF_HUB_OFFLINE": "1"})
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -74,6 +84,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--draft", choices=["none", "lookup"], default="lookup")
+    parser.add_argument("--format", choices=list(FORMATS), default="float32")
     args = parser.parse_args()
     trees = {"before": args.code.resolve(), "after": Path.cwd().resolve()}
     rows, same = [], True
@@ -81,7 +92,8 @@ def main() -> None:
         order = ["before", "after"] if k % 2 == 0 else ["after", "before"]
         row = {}
         for name in order:
-            row[name] = run_tree(trees[name], args.prompts, args.new_tokens, args.draft)
+            row[name] = run_tree(trees[name], args.prompts, args.new_tokens, args.draft,
+                                 args.format)
         same &= row["before"]["outputs"] == row["after"]["outputs"]
         rows.append({name: r["tokens_per_s"] for name, r in row.items()})
         print(f"round {k + 1}: before {rows[-1]['before']:.2f} tok/s, after "
@@ -91,10 +103,12 @@ def main() -> None:
     report = {"trees": {k: str(v) for k, v in trees.items()}, "rounds": rows,
               "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
               "ratio_max": max(ratios), "identical_outputs": same,
-              "prompts": args.prompts, "new_tokens": args.new_tokens, "draft": args.draft}
+              "prompts": args.prompts, "new_tokens": args.new_tokens, "draft": args.draft,
+              "format": args.format}
     print(f"after/before: median {report['ratio_median']:.3f} (min {min(ratios):.3f}, "
           f"max {max(ratios):.3f}) over {args.rounds} rounds; outputs identical: {same}")
-    out = Path("bench/results") / f"ab-local-{date.today().isoformat()}" / "report.json"
+    name = f"ab-local-{date.today().isoformat()}-{args.format}-{args.draft}"
+    out = Path("bench/results") / name / "report.json"
     write_report(out, report)
 
 

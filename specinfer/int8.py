@@ -9,33 +9,30 @@
 - ``torch``: torch's ``aten._weight_int8pack_mm`` everywhere else (each output computed on
   its own, so batch-invariant too; its cost grows with every row).
 
-The library is compiled on first use (~30 s; torch caches it under
-``TORCH_EXTENSIONS_DIR``); where it cannot be built, or its results differ from the
-reference on a probe, the process uses torch's kernel. ``SPECINFER_INT8_KERNEL=torch``
-forces it.
+The kernel is built on first use (``specinfer.native``); where it cannot be, or its
+results differ from the reference on a probe, the process uses torch's kernel.
+``SPECINFER_INT8_KERNEL=torch`` forces it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from specinfer import native
+
 log = logging.getLogger(__name__)
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]  # flat [rows, in] -> [rows, out]
-SOURCE = Path(__file__).with_name("csrc") / "int8_linear.cpp"
 KERNELS = ("amx", "torch")
 TILE_COLS, TILE_K = 16, 64  # an AMX int8 B tile: 16 columns x 16 quads of k
 FIXED_MAX = 8257536.0  # 2^23 - 2^17: a row's largest |x| in fixed point, top digit in int8
 
-_ops = None
-_loaded = False
 _chosen: dict[torch.dtype, str] = {}
 
 
@@ -73,26 +70,6 @@ def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return out.float().to(x.dtype)
 
 
-def _library():
-    """torch.ops.specinfer_int8, built on first use; None where it cannot be."""
-    global _ops, _loaded
-    if not _loaded:
-        _loaded = True
-        try:
-            from torch.utils.cpp_extension import load
-            start = time.perf_counter()
-            load(name="specinfer_int8", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                 extra_ldflags=["-fopenmp"],
-                 is_python_module=False, verbose=False)
-            _ops = torch.ops.specinfer_int8
-            log.info("int8 kernels loaded",
-                     extra={"seconds": round(time.perf_counter() - start, 1)})
-        except Exception as exc:  # no compiler, ninja or headers: torch's kernel
-            log.warning("int8 kernels unavailable, using torch's",
-                        extra={"error": str(exc)[:200]})
-    return _ops
-
-
 def _cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -104,8 +81,8 @@ def _cpu_flags() -> set[str]:
 
 def _build(name: str, q: torch.Tensor, scale: torch.Tensor, act: torch.dtype) -> Kernel:
     if name == "amx":
-        tiles, out, ops = amx_tiles(q), q.shape[0], _library()
-        return lambda x: ops.amx_linear(x, tiles, scale, out)
+        tiles, out, ops = amx_tiles(q), q.shape[0], native.library()
+        return lambda x: ops.int8_amx_linear(x, tiles, scale, out)
     scale_act = scale.to(act)
     pad = -q.shape[1] % 16  # torch's kernel reads past a reduction not a multiple of 16
     if pad:
@@ -144,7 +121,7 @@ def chosen(act: torch.dtype) -> str:
         for candidate in _candidates():
             if candidate == "torch":
                 break
-            ops = _library()
+            ops = native.library()
             if ops is not None and ops.amx_enable() and _agrees(
                     _build(candidate, q, scale, act), q, scale, x):
                 name = candidate

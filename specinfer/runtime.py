@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specinfer import native
 from specinfer.layers import Norm, Projections, activation, fused, rotary, signed, sliding_windows
 from specinfer.placement import Placement
 from specinfer.tree import additive_mask
@@ -152,6 +153,10 @@ class LlamaRuntime:
         self.scratch_slot = slots
         self.cache = KVCache(len(self.layers), slots + 1, slot_len, kv_heads, self.head_dim,
                              self.attn_dtype, self.device)
+        # The batch-invariant formats' attention as one native operator where it is built
+        # (not under torch.compile, which cannot trace it).
+        self._native = native.library() if self.batch_invariant and not placement.compile \
+            else None
         self._graphs = None
         self.model: torch.nn.Module | None = None  # the transformers model, with from_model
         self._compiled = None
@@ -253,30 +258,10 @@ class LlamaRuntime:
         rows = self._rows(hidden, positions, slots, offsets, visible, key_len, packed)
         if packed is not None:
             return self._layers(hidden.reshape(b * q, width).index_select(0, packed), [rows])
-        act, attn_dtype = hidden.dtype, self.attn_dtype
-        cos, sin, write_slot, write_pos = rows.cos, rows.sin, rows.write_slot, rows.write_pos
-        slots, mask, window_masks, single = rows.slots, rows.mask, rows.window_masks, rows.single
-        kv_heads = self.cache.k.shape[3]
         for i, (proj, (norm_in, norm_post), act_fn) in enumerate(zip(
                 self.proj, self.norms, self.acts, strict=True)):
-            heads = proj.qkv(norm_in(hidden))
-            heads = heads.view(b, q, -1, self.head_dim).to(attn_dtype)  # [q | k | v] heads
-            split = heads.shape[2] - kv_heads
-            qk = heads[:, :, :split]  # rotary on q and k at once
-            qk = rotary(qk, cos, sin)
-            qs, ks, vs = qk[:, :, : split - kv_heads], qk[:, :, split - kv_heads :], \
-                heads[:, :, split:]
-            ck, cv = self.cache.k[i], self.cache.v[i]
-            ck[write_slot, write_pos] = ks
-            cv[write_slot, write_pos] = vs
-            if single:  # a view, no copy
-                keys, values = ck[slots[0], :key_len][None], cv[slots[0], :key_len][None]
-            else:
-                keys, values = ck[slots, :key_len], cv[slots, :key_len]
-            out = self._attention(qs.transpose(1, 2), keys.transpose(1, 2),
-                                  values.transpose(1, 2),
-                                  window_masks.get(self.windows[i], mask))
-            hidden = hidden + proj.o(out.transpose(1, 2).reshape(b, q, -1).to(act))
+            heads = proj.qkv(norm_in(hidden)).view(b, q, -1, self.head_dim)  # [q | k | v]
+            hidden = hidden + proj.o(self._attend(i, heads, rows))
             gate, up = proj.gate_up(norm_post(hidden)).chunk(2, -1)
             hidden = hidden + proj.down(act_fn(gate) * up)
         return hidden
@@ -327,8 +312,6 @@ class LlamaRuntime:
     def _layers(self, hidden: torch.Tensor, parts: list[_Rows]) -> torch.Tensor:
         """The layers over ``hidden``: ``[B, Q, H]`` for one part unpacked, else the parts'
         real queries one after another, ``[N, H]``."""
-        act, attn_dtype = hidden.dtype, self.attn_dtype
-        kv_heads = self.cache.k.shape[3]
         bounds = [0, 0]  # each part's queries in ``hidden`` (one part: all of them)
         if len(parts) > 1:
             bounds = [0]
@@ -345,34 +328,47 @@ class LlamaRuntime:
                 if rows.packed is not None:  # padding's q, k and v are zero
                     part = part.new_zeros(b * q, part.shape[-1]).index_copy_(
                         0, rows.packed, part)
-                part = part.view(b, q, -1, self.head_dim).to(attn_dtype)  # [q | k | v]
-                split = part.shape[2] - kv_heads
-                qk = part[:, :, :split]  # rotary on q and k at once
-                qk = rotary(qk, rows.cos, rows.sin)
-                qs, ks, vs = qk[:, :, : split - kv_heads], qk[:, :, split - kv_heads :], \
-                    part[:, :, split:]
-                ck, cv = self.cache.k[i], self.cache.v[i]
-                ck[rows.write_slot, rows.write_pos] = ks
-                cv[rows.write_slot, rows.write_pos] = vs
-                key_len, slots = rows.key_len, rows.slots
-                if rows.single:  # a view, no copy
-                    keys, values = ck[slots[0], :key_len][None], cv[slots[0], :key_len][None]
-                else:
-                    keys, values = ck[slots, :key_len], cv[slots, :key_len]
-                out = self._attention(qs.transpose(1, 2), keys.transpose(1, 2),
-                                      values.transpose(1, 2),
-                                      rows.window_masks.get(self.windows[i], rows.mask))
-                out = out.transpose(1, 2).reshape(b, q, -1)
+                out = self._attend(i, part.view(b, q, -1, self.head_dim), rows)
                 if rows.packed is not None:
                     out = out.reshape(b * q, -1).index_select(0, rows.packed)
                 elif hidden.dim() == 2:  # beside other parts, or packed by the caller
                     out = out.reshape(b * q, -1)
                 outs.append(out)
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-            hidden = hidden + proj.o(out.to(act))
+            hidden = hidden + proj.o(out)
             gate, up = proj.gate_up(norm_post(hidden)).chunk(2, -1)
             hidden = hidden + proj.down(act_fn(gate) * up)
         return hidden
+
+    def _attend(self, i: int, heads: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        """Layer ``i``'s attention for ``heads [B, Q, Hq + 2 Hkv, D]`` (the q | k | v
+        projections): rotary on q and k, the new keys and values into the cache, attention
+        over the cache; ``[B, Q, Hq * D]`` in ``heads``' dtype. The batch-invariant formats
+        run it as one native operator where it is built (~40 torch operators fewer a
+        layer), every (query, head) row on its own in float64 either way."""
+        mask = rows.window_masks.get(self.windows[i], rows.mask)
+        ck, cv = self.cache.k[i], self.cache.v[i]
+        kv_heads = ck.shape[2]
+        split = heads.shape[2] - kv_heads
+        if self._native is not None:
+            return self._native.attention(heads, rows.cos, rows.sin, ck, cv, rows.write_slot,
+                                          rows.write_pos, rows.slots, rows.key_len, mask,
+                                          split - kv_heads)
+        b, q = rows.b, rows.q
+        part = heads.to(self.attn_dtype)
+        qk = rotary(part[:, :, :split], rows.cos, rows.sin)  # rotary on q and k at once
+        qs, ks, vs = qk[:, :, : split - kv_heads], qk[:, :, split - kv_heads :], \
+            part[:, :, split:]
+        ck[rows.write_slot, rows.write_pos] = ks
+        cv[rows.write_slot, rows.write_pos] = vs
+        key_len, slots = rows.key_len, rows.slots
+        if rows.single:  # a view, no copy
+            keys, values = ck[slots[0], :key_len][None], cv[slots[0], :key_len][None]
+        else:
+            keys, values = ck[slots, :key_len], cv[slots, :key_len]
+        out = self._attention(qs.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                              mask)
+        return out.transpose(1, 2).reshape(b, q, -1).to(heads.dtype)
 
     def _bias(self, visible: torch.Tensor) -> torch.Tensor:
         """Attention's additive mask over ``visible [B, Q, K]``: SDPA's ``[B, 1, Q, K]``;

@@ -12,11 +12,12 @@ from conftest import decoy_tree
 from test_verifier_engine import hf_greedy, noisy_oracle
 from transformers import AutoModelForCausalLM
 
+from bench.verifier_cost import random_tree
 from services.verifier.engine import EngineConfig
 from services.verifier.executor import ForwardArgs
 from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
-from specinfer import int8, linears
+from specinfer import int8, linears, native
 from specinfer.placement import Placement, PlacementError, resolve
 from specinfer.tree import TokenTree, TreeBatch
 
@@ -117,7 +118,7 @@ def test_int8_kernels_rows_do_not_depend_on_the_batch(monkeypatch, act, name):
     """Every int8 kernel, at shapes off its tiles (37 outputs, a 100-long reduction) and
     on them, at row counts across its 16-row tiles: a row's bits are its bits alone, and
     within the quantization error of the float product."""
-    if name == "amx" and ("amx" not in int8._candidates() or int8._library() is None):
+    if name == "amx" and ("amx" not in int8._candidates() or native.library() is None):
         pytest.skip("this CPU has no AMX (or the kernels could not be built)")
     monkeypatch.setenv("SPECINFER_INT8_KERNEL", name)
     monkeypatch.setattr(int8, "_chosen", {})
@@ -137,7 +138,7 @@ def test_int8_kernels_rows_do_not_depend_on_the_batch(monkeypatch, act, name):
 def test_amx_int8_kernel_gives_the_references_bits(act):
     """The AMX kernel against its torch._int_mm reference, bit for bit, on rows with a
     zero row, an outlier and tiny values (the fixed point's edges)."""
-    if "amx" not in int8._candidates() or int8._library() is None:
+    if "amx" not in int8._candidates() or native.library() is None:
         pytest.skip("this CPU has no AMX (or the kernels could not be built)")
     gen = torch.Generator().manual_seed(1)
     for out, k in ((37, 100), (960, 576), (64, 1600)):
@@ -147,7 +148,7 @@ def test_amx_int8_kernel_gives_the_references_bits(act):
         x[5, 7] = 3e4
         x[8] *= 1e-30
         x = x.to(act)
-        got = torch.ops.specinfer_int8.amx_linear(x, int8.amx_tiles(q), scale, out)
+        got = torch.ops.specinfer.int8_amx_linear(x, int8.amx_tiles(q), scale, out)
         assert torch.equal(got, int8.reference(x, q, scale)), (out, k)
         assert not got[3].any()
 
@@ -155,7 +156,7 @@ def test_amx_int8_kernel_gives_the_references_bits(act):
 def test_int8_probe_keeps_torchs_kernel_where_ours_disagrees(monkeypatch):
     """A kernel whose rows change with the batch (stood in for by ours, perturbed by the
     row count) fails the probe; the process then runs torch's."""
-    if "amx" not in int8._candidates() or int8._library() is None:
+    if "amx" not in int8._candidates() or native.library() is None:
         pytest.skip("this CPU has no AMX (or the kernels could not be built)")
     real = int8._build
 
@@ -166,6 +167,41 @@ def test_int8_probe_keeps_torchs_kernel_where_ours_disagrees(monkeypatch):
     monkeypatch.setattr(int8, "_build", batch_dependent)
     monkeypatch.setattr(int8, "_chosen", {})
     assert int8.chosen(torch.bfloat16) == "torch"
+
+
+@pytest.mark.parametrize("placement", [resolve("cpu", "bfloat16"),
+                                       resolve("cpu", quantize="int8")],
+                         ids=["bfloat16", "int8"])
+def test_native_attention_gives_the_torch_paths_bits(tiny_llama, placement):
+    """The batch-invariant formats' attention as one native operator: the same logits and
+    KV cache as the runtime's torch operators, bit for bit, for a plain row, a tree, and
+    two trees of different lengths in one batch (slots read by copy, not view)."""
+    if native.library() is None:
+        pytest.skip("the native kernels could not be built")
+    engine = engine_in(tiny_llama, placement)
+    runtime, executor = engine.executor.runtime, engine.executor
+    gen = torch.Generator().manual_seed(0)
+    trees = [TokenTree()] + [random_tree(n, 128, gen) for n in (15, 6)]
+
+    def forwards():
+        runtime.cache.k.zero_()
+        runtime.cache.v.zero_()
+        outs = []
+        for batch, slots, prefix in (([trees[0]], [0], [9]), ([trees[1]], [0], [10]),
+                                     ([trees[1], trees[2]], [1, 2], [12, 5])):
+            tb = TreeBatch.build(batch, [3] * len(batch), prefix)
+            key_len = max(prefix) + tb.tokens.shape[1]
+            visible = None if tb.tokens.shape[1] == 1 else tb.visibility(key_len)
+            outs.append(executor.forward(ForwardArgs(
+                tb.tokens, tb.position_ids, torch.tensor(slots), tb.prefix_lens, visible)))
+        return outs, runtime.cache.k.clone(), runtime.cache.v.clone()
+
+    assert runtime._native is not None
+    native_run = forwards()
+    runtime._native = None
+    torch_run = forwards()
+    assert all(torch.equal(a, b) for a, b in zip(native_run[0], torch_run[0], strict=True))
+    assert torch.equal(native_run[1], torch_run[1]) and torch.equal(native_run[2], torch_run[2])
 
 
 def test_int8_engine_decodes_close_to_float32(tiny_llama, hf_model):

@@ -183,7 +183,7 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
   return y;
 }
 
-TORCH_LIBRARY(specinfer_int8, m) {
+TORCH_LIBRARY_FRAGMENT(specinfer, m) {
   m.def("amx_enable() -> bool", &amx_enable);
-  m.def("amx_linear(Tensor x, Tensor packed, Tensor scale, int n) -> Tensor", &amx_linear);
+  m.def("int8_amx_linear(Tensor x, Tensor packed, Tensor scale, int n) -> Tensor", &amx_linear);
 }

@@ -1,0 +1,46 @@
+"""The project's own CPU kernels (``specinfer/csrc/*.cpp``), built on first use.
+
+torch compiles them with the machine's C++ compiler (~30 s, once; cached under
+``TORCH_EXTENSIONS_DIR``, a rebuild only when a source changes) and registers them as
+``torch.ops.specinfer.*``: the int8 AMX linear (``specinfer.int8``) and the batch-invariant
+formats' attention (``specinfer.runtime``). Where they cannot be built (no compiler, as
+in the container image) every caller runs torch's operators instead, exact within the
+format too, slower.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = sorted(str(p) for p in (Path(__file__).parent / "csrc").glob("*.cpp"))
+
+_ops = None
+_loaded = False
+
+
+def library():
+    """``torch.ops.specinfer``, built on first use; None where it cannot be."""
+    global _ops, _loaded
+    if not _loaded:
+        _loaded = True
+        try:
+            from torch.utils.cpp_extension import load
+            start = time.perf_counter()
+            # -fopenmp: at::parallel_for runs on one thread without it; -ffp-contract=off:
+            # products and sums round one by one, as torch's elementwise operators do
+            load(name="specinfer_native", sources=SOURCES,
+                 extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            _ops = torch.ops.specinfer
+            log.info("native kernels loaded",
+                     extra={"seconds": round(time.perf_counter() - start, 1)})
+        except Exception as exc:  # no compiler, ninja or headers: torch's operators
+            log.warning("native kernels unavailable, using torch's operators",
+                        extra={"error": str(exc)[:200]})
+    return _ops
