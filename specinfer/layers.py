@@ -43,18 +43,22 @@ def fused(modules: list[torch.nn.Module], placement: Placement, measure: bool
 class Norm:
     """A Llama-family RMSNorm module as the runtime calls it, by the fused op: in float32
     bitwise the module's own (normalised, cast back, scaled); in other formats in one op
-    that accumulates in float32 and rounds once (one op costs less than four at one row).
-    Its weight and epsilon are read once: a module's attribute lookups at every call cost
-    ~0.3 ms a step."""
+    that accumulates in float32 and rounds once (one op costs less than four at one row):
+    the native one where given (bfloat16: ~8 torch operators fewer, each row in one fixed
+    order), else torch's. Its weight and epsilon are read once: a module's attribute
+    lookups at every call cost ~0.3 ms a step."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, native=None) -> None:
         self.module = module
         self.eps = getattr(module, "variance_epsilon", None)
         self.weight = module.weight if self.eps is not None else None
+        self.native = native
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.eps is None:
             return self.module(x)
+        if x.dtype == torch.bfloat16 and self.native is not None:
+            return self.native.rms_norm(x, self.weight, self.eps)
         if x.dtype != torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)

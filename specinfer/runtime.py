@@ -134,11 +134,6 @@ class LlamaRuntime:
         if not placement.cuda and placement.dtype != torch.float32:
             for m in [*layers, embed_tokens, norm]:  # fbgemm's SSM linears: float32 only
                 m.to(placement.dtype)
-        self.layers = layers
-        self.norms = [(Norm(layer.input_layernorm), Norm(layer.post_attention_layernorm))
-                      for layer in layers]
-        self.acts = [activation(layer.mlp) for layer in layers]
-        self.final = Norm(norm)
         self.windows = sliding_windows(config, first_layer, len(layers))
         self.embed_tokens, self.rotary_emb, self.norm = embed_tokens, rotary_emb, norm
         self.lm_head = lm_head
@@ -149,14 +144,19 @@ class LlamaRuntime:
         self.batch_invariant = not placement.cuda and self.dtype != torch.float32
         self.attn_dtype = self.dtype if placement.cuda else \
             torch.float64 if self.batch_invariant else torch.float32
+        # The batch-invariant formats' attention and norms as native operators where they
+        # are built (not under torch.compile, which cannot trace them).
+        self._native = native.library() if self.batch_invariant and not placement.compile \
+            else None
+        self.layers = layers
+        self.norms = [(Norm(layer.input_layernorm, self._native),
+                       Norm(layer.post_attention_layernorm, self._native)) for layer in layers]
+        self.acts = [activation(layer.mlp) for layer in layers]
+        self.final = Norm(norm, self._native)
         # One more slot takes the K/V writes of padding (CUDA graphs' bucketed shapes).
         self.scratch_slot = slots
         self.cache = KVCache(len(self.layers), slots + 1, slot_len, kv_heads, self.head_dim,
                              self.attn_dtype, self.device)
-        # The batch-invariant formats' attention as one native operator where it is built
-        # (not under torch.compile, which cannot trace it).
-        self._native = native.library() if self.batch_invariant and not placement.compile \
-            else None
         self._graphs = None
         self.model: torch.nn.Module | None = None  # the transformers model, with from_model
         self._compiled = None

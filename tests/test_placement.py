@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import decoy_tree
 from test_verifier_engine import hf_greedy, noisy_oracle
 from transformers import AutoModelForCausalLM
@@ -17,7 +18,7 @@ from services.verifier.engine import EngineConfig
 from services.verifier.executor import ForwardArgs
 from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
-from specinfer import int8, linears, native
+from specinfer import int8, layers, linears, native
 from specinfer.placement import Placement, PlacementError, resolve
 from specinfer.tree import TokenTree, TreeBatch
 
@@ -197,11 +198,33 @@ def test_native_attention_gives_the_torch_paths_bits(tiny_llama, placement):
         return outs, runtime.cache.k.clone(), runtime.cache.v.clone()
 
     assert runtime._native is not None
+    for norm in [runtime.final, *(n for pair in runtime.norms for n in pair)]:
+        norm.native = None  # the native norm has numerics of its own (its test is below)
     native_run = forwards()
     runtime._native = None
     torch_run = forwards()
     assert all(torch.equal(a, b) for a, b in zip(native_run[0], torch_run[0], strict=True))
     assert torch.equal(native_run[1], torch_run[1]) and torch.equal(native_run[2], torch_run[2])
+
+
+def test_native_rms_norm_rows_stand_alone_and_stay_close_to_torchs():
+    """The bfloat16 formats' native RMSNorm: a row's bits whatever rows come with it, at
+    widths on and off its 16 lanes, within bfloat16's rounding of torch's norm."""
+    if native.library() is None:
+        pytest.skip("the native kernels could not be built")
+    gen = torch.Generator().manual_seed(0)
+    for width in (576, 100):
+        module = torch.nn.Module()
+        module.weight = torch.nn.Parameter((torch.rand(width, generator=gen) + 0.5)
+                                           .to(torch.bfloat16))
+        module.variance_epsilon = 1e-5
+        norm = layers.Norm(module, native.library())
+        x = (torch.randn(40, width, generator=gen) * 4).to(torch.bfloat16)
+        full = norm(x)
+        assert all(torch.equal(norm(x[i : i + 1]), full[i : i + 1]) for i in range(40))
+        assert torch.equal(norm(x.view(5, 8, width)), full.view(5, 8, width))
+        ref = F.rms_norm(x.float(), (width,), module.weight.float(), 1e-5)
+        assert (full.float() - ref).abs().max() <= 2 ** -7 * ref.abs().max()
 
 
 def test_int8_engine_decodes_close_to_float32(tiny_llama, hf_model):
