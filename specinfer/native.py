@@ -11,6 +11,9 @@ format too, slower.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +35,11 @@ def library():
         try:
             from torch.utils.cpp_extension import load
             start = time.perf_counter()
+            # torch runs `ninja` by name: the one pip installs beside this Python (make
+            # setup's venv) when none is on PATH (a venv used without activating it).
+            here = str(Path(sys.executable).parent)
+            if shutil.which("ninja") is None and shutil.which("ninja", path=here):
+                os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on one thread without it; -ffp-contract=off:
             # products and sums round one by one, as torch's elementwise operators do
             load(name="specinfer_native", sources=SOURCES,
