@@ -10,6 +10,7 @@ format too, slower.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -42,7 +43,10 @@ def library():
                 os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
             # -fopenmp: at::parallel_for runs on one thread without it; -ffp-contract=off:
             # products and sums round one by one, as torch's elementwise operators do
-            load(name="specinfer_native", sources=SOURCES,
+            # One build per version of the sources: checkouts of other commits (a
+            # benchmark's A/B worktree) keep theirs instead of rebuilding over each other.
+            digest = hashlib.sha256(b"".join(Path(p).read_bytes() for p in SOURCES))
+            load(name=f"specinfer_native_{digest.hexdigest()[:12]}", sources=SOURCES,
                  extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             _ops = torch.ops.specinfer

@@ -238,6 +238,7 @@ def test_int8_engine_decodes_close_to_float32(tiny_llama, hf_model):
     assert sum(agree) >= 0.5 * 16 * len(agree), agree
 
 
+@pytest.mark.matrix  # --compile on is not the CPU's default (auto: eager); 22 s
 def test_compiled_step_gives_the_eager_tokens(tmp_path):
     """On a one-layer model: dynamo unrolls the layer loop, so compile time grows with the
     layers (35 s for four here), and one layer exercises every op."""

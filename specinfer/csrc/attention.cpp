@@ -12,7 +12,8 @@
 //   slots     [B] int64: the cache slot each batch row reads
 //   mask      None or [B * Hkv, G * Q, K] float64, additive
 // returns     [B, Q, Hq * D] in heads' dtype.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <cmath>
 
@@ -47,13 +48,13 @@ void rotate_and_write(const T* heads, int64_t rows, int64_t hq, int64_t hkv, int
 
 }  // namespace
 
-torch::Tensor attention(const torch::Tensor& heads_in, const torch::Tensor& cos_in,
-                        const torch::Tensor& sin_in, torch::Tensor cache_k, torch::Tensor cache_v,
-                        const torch::Tensor& write_slot_in, const torch::Tensor& write_pos_in,
-                        const torch::Tensor& slots, int64_t key_len,
-                        const c10::optional<torch::Tensor>& mask, int64_t hq) {
+at::Tensor attention(const at::Tensor& heads_in, const at::Tensor& cos_in,
+                        const at::Tensor& sin_in, at::Tensor cache_k, at::Tensor cache_v,
+                        const at::Tensor& write_slot_in, const at::Tensor& write_pos_in,
+                        const at::Tensor& slots, int64_t key_len,
+                        const c10::optional<at::Tensor>& mask, int64_t hq) {
   TORCH_CHECK(heads_in.dim() == 4, "heads: [B, Q, heads, D]");
-  TORCH_CHECK(cache_k.scalar_type() == torch::kDouble && cache_k.is_contiguous() &&
+  TORCH_CHECK(cache_k.scalar_type() == at::kDouble && cache_k.is_contiguous() &&
                   cache_v.is_contiguous() && cache_v.sizes() == cache_k.sizes(),
               "cache: contiguous float64 [slots, context, Hkv, D]");
   const auto heads = heads_in.contiguous();
@@ -62,27 +63,27 @@ torch::Tensor attention(const torch::Tensor& heads_in, const torch::Tensor& cos_
   TORCH_CHECK(heads.size(2) == hq + 2 * hkv && cache_k.size(3) == D && hq % hkv == 0 &&
                   D % 2 == 0 && key_len <= cache_k.size(1),
               "heads, the cache and key_len disagree");
-  const auto cos = cos_in.to(torch::kDouble).expand({B, Q, 1, D}).contiguous();
-  const auto sin = sin_in.to(torch::kDouble).expand({B, Q, 1, D}).contiguous();
-  const auto write_slot = write_slot_in.to(torch::kLong).expand({B, Q}).contiguous();
-  const auto write_pos = write_pos_in.to(torch::kLong).expand({B, Q}).contiguous();
-  auto qk = torch::empty({B, Q, hq + hkv, D}, heads.options().dtype(torch::kDouble));
+  const auto cos = cos_in.to(at::kDouble).expand({B, Q, 1, D}).contiguous();
+  const auto sin = sin_in.to(at::kDouble).expand({B, Q, 1, D}).contiguous();
+  const auto write_slot = write_slot_in.to(at::kLong).expand({B, Q}).contiguous();
+  const auto write_pos = write_pos_in.to(at::kLong).expand({B, Q}).contiguous();
+  auto qk = at::empty({B, Q, hq + hkv, D}, heads.options().dtype(at::kDouble));
   const int64_t slot_stride = cache_k.size(1) * hkv * D;
   AT_DISPATCH_SWITCH(heads.scalar_type(), "attention",
-      AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
         rotate_and_write(heads.data_ptr<scalar_t>(), B * Q, hq, hkv, D, cos.data_ptr<double>(),
                          sin.data_ptr<double>(), qk.data_ptr<double>(),
                          cache_k.data_ptr<double>(), cache_v.data_ptr<double>(), slot_stride,
                          write_slot.data_ptr<int64_t>(), write_pos.data_ptr<int64_t>());
       })
-      AT_DISPATCH_CASE(torch::kFloat, [&] {
+      AT_DISPATCH_CASE(at::kFloat, [&] {
         rotate_and_write(heads.data_ptr<scalar_t>(), B * Q, hq, hkv, D, cos.data_ptr<double>(),
                          sin.data_ptr<double>(), qk.data_ptr<double>(),
                          cache_k.data_ptr<double>(), cache_v.data_ptr<double>(), slot_stride,
                          write_slot.data_ptr<int64_t>(), write_pos.data_ptr<int64_t>());
       }));
   // From here the runtime's own operators on the same views (LlamaRuntime._attention).
-  torch::Tensor keys, values;
+  at::Tensor keys, values;
   if (B == 1) {  // a view, no copy
     const int64_t slot = slots.item<int64_t>();
     keys = cache_k.select(0, slot).narrow(0, 0, key_len).unsqueeze(0);

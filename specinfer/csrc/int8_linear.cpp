@@ -12,7 +12,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -146,19 +147,19 @@ bool amx_enable() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
 
 // x [M, K] bfloat16 or float32; packed [ceil(N/16), ceil(K/64), 16, 16, 4] int8: B tiles,
 // row r holding k = 64t + 4r .. 64t + 4r + 3 of 16 columns; scale [N] float32.
-torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
-                         const torch::Tensor& scale, int64_t N) {
-  const bool bf16 = x_in.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(x_in.dim() == 2 && (bf16 || x_in.scalar_type() == torch::kFloat),
+at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
+                         const at::Tensor& scale, int64_t N) {
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x_in.dim() == 2 && (bf16 || x_in.scalar_type() == at::kFloat),
               "x: [rows, in] bfloat16 or float32");
-  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == torch::kInt8 &&
+  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kChar &&
                   packed.is_contiguous(), "packed: int8 B tiles");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.numel() == N &&
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == N &&
                   scale.is_contiguous(), "scale: [out] float32");
   const auto x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), k_tiles = packed.size(1);
   TORCH_CHECK(K <= k_tiles * kTileK && packed.size(0) * kTile >= N, "x and packed disagree");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const int64_t width = k_tiles * kTileK, digit_stride = M * width;
   static thread_local std::vector<int8_t> digits;  // [3][M][width], zeros past K

@@ -5,7 +5,8 @@
 // (compiled with -ffp-contract=off). The order is in the source, not the vector width,
 // so every x86-64 build gives the same bits.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <cmath>
 
@@ -33,13 +34,13 @@ float sum_of_squares(const T* x, int64_t n) {
 
 }  // namespace
 
-torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& weight_in, double eps) {
-  TORCH_CHECK(x_in.scalar_type() == torch::kBFloat16, "x: bfloat16");
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "x: bfloat16");
   const auto x = x_in.contiguous();
   const int64_t n = x.size(-1), rows = x.numel() / n;
   TORCH_CHECK(weight_in.numel() == n, "weight: [hidden]");
-  const auto weight = weight_in.to(torch::kFloat).contiguous();
-  auto y = torch::empty_like(x);
+  const auto weight = weight_in.to(at::kFloat).contiguous();
+  auto y = at::empty_like(x);
   const auto* xp = x.data_ptr<at::BFloat16>();
   const float* wp = weight.data_ptr<float>();
   auto* yp = y.data_ptr<at::BFloat16>();
