@@ -1,11 +1,11 @@
 """The project's own CPU kernels (``specinfer/csrc/*.cpp``), built on first use.
 
-torch compiles them with the machine's C++ compiler (~30 s, once; cached under
-``TORCH_EXTENSIONS_DIR``, a rebuild only when a source changes) and registers them as
-``torch.ops.specinfer.*``: the int8 AMX linear (``specinfer.int8``) and the batch-invariant
-formats' attention (``specinfer.runtime``). Where they cannot be built (no compiler, as
-in the container image) every caller runs torch's operators instead, exact within the
-format too, slower.
+torch compiles them with the machine's C++ compiler (about 17 s on 2 cores, once per
+version of the sources, cached under ``TORCH_EXTENSIONS_DIR``) and registers them as
+``torch.ops.specinfer.*``: the int8 AMX linear (``specinfer.int8``), and the
+batch-invariant formats' attention and RMSNorm (``specinfer.runtime``, ``specinfer.layers``).
+Where they cannot be built (no compiler, as in the container image) every caller runs
+torch's operators instead, exact within the format too, slower.
 """
 
 from __future__ import annotations
