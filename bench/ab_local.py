@@ -27,7 +27,7 @@ import textwrap
 from datetime import date
 from pathlib import Path
 
-from bench.harness import write_report
+from bench.harness import FORMATS, write_report
 
 # Runs inside each tree (its own imports): what both the old and the new code expose.
 WORKER = textwrap.dedent("""
@@ -60,10 +60,6 @@ WORKER = textwrap.dedent("""
     print(json.dumps({"tokens_per_s": tokens / elapsed, "tokens": tokens,
                       "outputs": outputs, "code": [specinfer.__file__, services.__file__]}))
 """)
-
-
-FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"),
-           "int8": ("bfloat16", "int8")}
 
 
 def run_tree(code: Path, prompts: int, new_tokens: int, draft: str, fmt: str = "float32"

@@ -32,6 +32,10 @@ from specinfer.client import AsyncClient, Stats
 from specinfer.data import mtbench_first_turns
 from specinfer.net import free_port
 
+# The number formats the benchmarks compare, as (--dtype, --quantize).
+FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"),
+           "int8": ("bfloat16", "int8")}
+
 
 def mtbench_prompts(per_category: int = 1) -> list[str]:
     """MT-Bench first turns, ``per_category`` from each of its 8 categories (10 = all 80)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.harness import write_report
+from bench.harness import FORMATS, write_report
 from bench.verifier_cost import PREFIX, random_tree
 from services.verifier.engine import EngineConfig
 from services.verifier.executor import ForwardArgs
@@ -35,12 +35,10 @@ from specinfer.models import DEFAULT_LLM
 from specinfer.placement import resolve
 from specinfer.tree import TokenTree, TreeBatch
 
-FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"),
-           "int8": ("bfloat16", "int8")}
 # Operator name fragments by class, first match wins (aten and oneDNN names).
 CLASSES = [
     ("linear", ("linear", "addmm", "int8pack", "mkldnn", "mkl_")),
-    ("attention", ("bmm", "matmul", "softmax", "scaled_dot", "baddbmm")),
+    ("attention", ("bmm", "matmul", "softmax", "scaled_dot", "baddbmm", "attention")),
     ("norm+rotary", ("rms_norm", "rsqrt", "pow", "mean", "neg", "rotate", "roll")),
     ("elementwise", ("add", "mul", "silu", "sub", "div", "exp", "where", "masked_fill",
                      "sigmoid", "maximum", "fill")),

@@ -91,16 +91,16 @@ def _build(name: str, q: torch.Tensor, scale: torch.Tensor, act: torch.dtype) ->
     return lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale_act)
 
 
-def _candidates() -> list[str]:
+def _wanted() -> str:
+    """The kernel to try: ours where the CPU has AMX (or as forced), else torch's."""
     forced = os.environ.get("SPECINFER_INT8_KERNEL", "")
     if forced:
         if forced not in KERNELS:
             raise ValueError(f"SPECINFER_INT8_KERNEL must be one of {', '.join(KERNELS)}; "
                              f"got {forced!r}")
-        return [forced]
-    if {"amx_tile", "amx_int8", "avx512bw", "avx512vl"} <= _cpu_flags():
-        return ["amx", "torch"]
-    return ["torch"]
+        return forced
+    return "amx" if {"amx_tile", "amx_int8", "avx512bw", "avx512vl"} <= _cpu_flags() \
+        else "torch"
 
 
 def _agrees(kernel: Kernel, q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> bool:
@@ -118,14 +118,11 @@ def chosen(act: torch.dtype) -> str:
         q, scale = quantize(torch.randn(72, 2 * TILE_K * 4 + 5, generator=gen) * 0.05)
         x = (torch.randn(40, q.shape[1], generator=gen) * 3).to(act)
         name = "torch"
-        for candidate in _candidates():
-            if candidate == "torch":
-                break
+        if _wanted() == "amx":
             ops = native.library()
             if ops is not None and ops.amx_enable() and _agrees(
-                    _build(candidate, q, scale, act), q, scale, x):
-                name = candidate
-                break
+                    _build("amx", q, scale, act), q, scale, x):
+                name = "amx"
         _chosen[act] = name
         log.info("int8 kernel", extra={"activations": str(act), "kernel": name})
     return _chosen[act]

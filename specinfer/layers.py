@@ -53,12 +53,14 @@ class Norm:
         self.eps = getattr(module, "variance_epsilon", None)
         self.weight = module.weight if self.eps is not None else None
         self.native = native
+        # the native norm scales in float32: its weight converted once, not per call
+        self.native_weight = None if self.weight is None else self.weight.float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.eps is None:
             return self.module(x)
         if x.dtype == torch.bfloat16 and self.native is not None:
-            return self.native.rms_norm(x, self.weight, self.eps)
+            return self.native.rms_norm(x, self.native_weight, self.eps)
         if x.dtype != torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)

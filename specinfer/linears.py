@@ -5,7 +5,7 @@ weight and per-call overhead. Measured on the reference 2-core EPYC (AVX-512 BF1
 call for SmolLM2's shapes: oneDNN with weights packed once at load beats the default BLAS
 from 1 row on the big matrices (the 49152-row vocabulary head: 4.3 vs 10 ms in float32);
 bfloat16 packed halves that again; weight-only int8 has kernels of its own
-(``specinfer.int8``: AMX tiles or AVX-512 where the CPU has them, else torch's). In
+(``specinfer.int8``: integer AMX tiles where the CPU has them, else torch's). In
 float32 BLAS and oneDNN both serve, crossing at a row count measured once per matrix at
 load; bfloat16 and int8 use one kernel for every row count, so that a row's output never
 depends on the rows beside it (speculation then reproduces plain decoding bit for bit).

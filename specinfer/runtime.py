@@ -299,7 +299,7 @@ class LlamaRuntime:
         if slots.dim() == 2:  # per-query write slots (graph padding); rows read query 0's
             write_slot, slots = slots, slots[:, 0]
         else:
-            write_slot = slots[:, None].expand(b, q)
+            write_slot = slots[:, None].expand(b, q).contiguous()  # laid out once, not per layer
         mask = None if visible is None else self._bias(visible)
         window_masks = {w: self._bias(self._window_visible(
             visible, positions, slots, write_slot, write_pos, key_len, w))

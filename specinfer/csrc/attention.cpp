@@ -63,10 +63,15 @@ at::Tensor attention(const at::Tensor& heads_in, const at::Tensor& cos_in,
   TORCH_CHECK(heads.size(2) == hq + 2 * hkv && cache_k.size(3) == D && hq % hkv == 0 &&
                   D % 2 == 0 && key_len <= cache_k.size(1),
               "heads, the cache and key_len disagree");
-  const auto cos = cos_in.to(at::kDouble).expand({B, Q, 1, D}).contiguous();
-  const auto sin = sin_in.to(at::kDouble).expand({B, Q, 1, D}).contiguous();
-  const auto write_slot = write_slot_in.to(at::kLong).expand({B, Q}).contiguous();
-  const auto write_pos = write_pos_in.to(at::kLong).expand({B, Q}).contiguous();
+  // Laid out once per forward by the runtime (LlamaRuntime._rows): no copies here.
+  const auto cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const auto write_slot = write_slot_in.contiguous(), write_pos = write_pos_in.contiguous();
+  TORCH_CHECK(cos.scalar_type() == at::kDouble && sin.scalar_type() == at::kDouble &&
+                  cos.numel() == B * Q * D && sin.numel() == B * Q * D,
+              "cos, sin: [B, Q, 1, D] float64");
+  TORCH_CHECK(write_slot.scalar_type() == at::kLong && write_pos.scalar_type() == at::kLong &&
+                  write_slot.numel() == B * Q && write_pos.numel() == B * Q,
+              "write_slot, write_pos: [B, Q] int64");
   auto qk = at::empty({B, Q, hq + hkv, D}, heads.options().dtype(at::kDouble));
   const int64_t slot_stride = cache_k.size(1) * hkv * D;
   AT_DISPATCH_SWITCH(heads.scalar_type(), "attention",

@@ -9,10 +9,10 @@
 // so a row's result depends on nothing but its own values: not on the rows beside it, the
 // thread count or the CPU. specinfer/int8.py computes the same numbers with torch._int_mm
 // (its reference) and checks this kernel against it before using it.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
-#include <ATen/ATen.h>
 #include <torch/library.h>
 #include <unistd.h>
 

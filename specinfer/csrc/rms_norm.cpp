@@ -4,8 +4,8 @@
 // tree, then y = bf16(x * (1 / sqrt(mean + eps)) * w), each product rounded in float32
 // (compiled with -ffp-contract=off). The order is in the source, not the vector width,
 // so every x86-64 build gives the same bits.
-#include <ATen/Parallel.h>
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -38,8 +38,9 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "x: bfloat16");
   const auto x = x_in.contiguous();
   const int64_t n = x.size(-1), rows = x.numel() / n;
-  TORCH_CHECK(weight_in.numel() == n, "weight: [hidden]");
-  const auto weight = weight_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(weight_in.numel() == n && weight_in.scalar_type() == at::kFloat,
+              "weight: [hidden] float32");
+  const auto weight = weight_in.contiguous();
   auto y = at::empty_like(x);
   const auto* xp = x.data_ptr<at::BFloat16>();
   const float* wp = weight.data_ptr<float>();
