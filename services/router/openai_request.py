@@ -207,8 +207,16 @@ def structured_output(body: dict, fe: Frontend) -> Constraint | None:
     if outputs is not None:
         if not isinstance(outputs, dict):
             raise InvalidArgument("structured_outputs", "must be an object")
+        kinds = ("json", "regex", "choice", "grammar", "json_object")
+        extra = sorted(set(outputs) - set(kinds))
+        if extra:  # as the OpenAPI spec says: one of its kinds, a misspelt one is an error
+            raise InvalidArgument(f"structured_outputs.{extra[0]}",
+                                  f"is not one of {', '.join(kinds)}")
+        if len(outputs) != 1:
+            raise InvalidArgument("structured_outputs", f"must set exactly one of "
+                                  f"{', '.join(kinds)}")
         for key, value in outputs.items():
-            if key in ("json", "regex", "choice", "grammar", "json_object") and value is not None:
+            if value is not None:
                 if key == "json_object" and value is False:
                     continue
                 found.append((f"structured_outputs.{key}",
