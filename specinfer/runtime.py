@@ -137,17 +137,18 @@ class LlamaRuntime:
         self.windows = sliding_windows(config, first_layer, len(layers))
         self.embed_tokens, self.rotary_emb, self.norm = embed_tokens, rotary_emb, norm
         self.lm_head = lm_head
-        # Attention (rotary, KV cache, scores) on a GPU runs in the placement's dtype (flash
-        # kernels); on the CPU in float32 (bfloat16 attention is 4-6x slower there), and in
-        # float64 for the CPU's bfloat16 and int8 formats, whose kernels are batch-invariant
-        # (see _attention): a float64 cache spares converting every key at every step.
-        self.batch_invariant = not placement.cuda and self.dtype != torch.float32
-        self.attn_dtype = self.dtype if placement.cuda else \
-            torch.float64 if self.batch_invariant else torch.float32
         # The batch-invariant formats' attention and norms as native operators where they
         # are built (not under torch.compile, which cannot trace them).
+        self.batch_invariant = not placement.cuda and self.dtype != torch.float32
         self._native = native.library() if self.batch_invariant and not placement.compile \
             else None
+        # Attention (rotary, KV cache, scores) on a GPU runs in the placement's dtype (flash
+        # kernels); on the CPU in float32 (bfloat16 attention is 4-6x slower there): for
+        # the CPU's bfloat16 and int8 formats by the native operator, whose rows are
+        # batch-invariant by construction, else in float64 (see _attention), with a
+        # float64 cache that spares converting every key at every step.
+        self.attn_dtype = self.dtype if placement.cuda else \
+            torch.float64 if self.batch_invariant and self._native is None else torch.float32
         self.layers = layers
         self.norms = [(Norm(layer.input_layernorm, self._native),
                        Norm(layer.post_attention_layernorm, self._native)) for layer in layers]
@@ -300,8 +301,8 @@ class LlamaRuntime:
             write_slot, slots = slots, slots[:, 0]
         else:
             write_slot = slots[:, None].expand(b, q).contiguous()  # laid out once, not per layer
-        mask = None if visible is None else self._bias(visible)
-        window_masks = {w: self._bias(self._window_visible(
+        mask = None if visible is None else self._mask(visible)
+        window_masks = {w: self._mask(self._window_visible(
             visible, positions, slots, write_slot, write_pos, key_len, w))
             for w in set(self.windows) if w is not None and key_len > w}
         sin = signed(sin)
@@ -344,8 +345,9 @@ class LlamaRuntime:
         """Layer ``i``'s attention for ``heads [B, Q, Hq + 2 Hkv, D]`` (the q | k | v
         projections): rotary on q and k, the new keys and values into the cache, attention
         over the cache; ``[B, Q, Hq * D]`` in ``heads``' dtype. The batch-invariant formats
-        run it as one native operator where it is built (~40 torch operators fewer a
-        layer), every (query, head) row on its own in float64 either way."""
+        run it as one native operator where it is built (every (query, head) row on its
+        own by its own loops, in float32; ~40 torch operators fewer a layer), else by
+        torch's operators in float64."""
         mask = rows.window_masks.get(self.windows[i], rows.mask)
         ck, cv = self.cache.k[i], self.cache.v[i]
         kv_heads = ck.shape[2]
@@ -370,10 +372,13 @@ class LlamaRuntime:
                               mask)
         return out.transpose(1, 2).reshape(b, q, -1).to(heads.dtype)
 
-    def _bias(self, visible: torch.Tensor) -> torch.Tensor:
-        """Attention's additive mask over ``visible [B, Q, K]``: SDPA's ``[B, 1, Q, K]``;
-        for the batch-invariant attention, already laid out as its grouped scores
-        ``[B * Hkv, G * Q, K]`` (made once per forward, not once per layer)."""
+    def _mask(self, visible: torch.Tensor) -> torch.Tensor:
+        """Attention's mask over ``visible [B, Q, K]``: the native operator takes it as it
+        is; else additive, SDPA's ``[B, 1, Q, K]``, or for the batch-invariant torch path
+        already laid out as its grouped scores ``[B * Hkv, G * Q, K]`` (made once per
+        forward, not once per layer)."""
+        if self._native is not None:
+            return visible.contiguous()
         mask = additive_mask(visible, self.attn_dtype)
         if not self.batch_invariant:
             return mask
@@ -419,7 +424,7 @@ class LlamaRuntime:
         keys_t = k.reshape(b * hkv, keys, d).transpose(1, 2)
         if mask is None:
             scores = torch.bmm(grouped, keys_t).mul_(d ** -0.5)
-        else:  # scaled and masked inside the product (``_bias``): one op, not three
+        else:  # scaled and masked inside the product (``_mask``): one op, not three
             scores = torch.baddbmm(mask, grouped, keys_t, alpha=d ** -0.5)
         return torch.bmm(scores.softmax(-1), v.reshape(b * hkv, keys, d)).view(b, hq, nq, d)
 

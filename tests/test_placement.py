@@ -170,41 +170,69 @@ def test_int8_probe_keeps_torchs_kernel_where_ours_disagrees(monkeypatch):
     assert int8.chosen(torch.bfloat16) == "torch"
 
 
-@pytest.mark.parametrize("placement", [resolve("cpu", "bfloat16"),
-                                       resolve("cpu", quantize="int8")],
-                         ids=["bfloat16", "int8"])
-def test_native_attention_gives_the_torch_paths_bits(tiny_llama, placement):
-    """The batch-invariant formats' attention as one native operator: the same logits and
-    KV cache as the runtime's torch operators, bit for bit, for a plain row, a tree, and
-    two trees of different lengths in one batch (slots read by copy, not view)."""
-    if native.library() is None:
+def _native_attention_case(ops, head_dim: int, gen: torch.Generator):
+    """One tree of 12 nodes after a 40-key prefix through the native attention in one
+    call, and each node again as plain decoding computes it (its ancestors written one by
+    one at consecutive positions of another slot, then the node alone): both outputs per
+    node, and the float64 reference of the tree call's."""
+    hq, hkv, prefix, ctx = 6, 2, 40, 64
+    tree = random_tree(12, 100, gen)
+    batch = TreeBatch.build([tree], [1], [prefix])
+    n = batch.tokens.shape[1]
+    # float32 projections: the output is not rounded to bfloat16, so no difference hides
+    heads = torch.randn(1, n, hq + 2 * hkv, head_dim, generator=gen) * 2
+    freqs = batch.position_ids[..., None].float() / (100 ** (torch.arange(head_dim) / head_dim))
+    cos, sin = freqs.cos()[:, :, None], layers.signed(freqs.sin())[:, :, None]
+    cache_k = torch.zeros(2, ctx, hkv, head_dim)
+    cache_v = torch.zeros(2, ctx, hkv, head_dim)
+    cache_k[0, :prefix] = torch.randn(prefix, hkv, head_dim, generator=gen)
+    cache_v[0, :prefix] = torch.randn(prefix, hkv, head_dim, generator=gen)
+    cache_k[1], cache_v[1] = cache_k[0], cache_v[0]
+    visible = batch.visibility(prefix + n)
+    at = torch.arange(prefix, prefix + n)[None]
+    tree_out = ops.attention(heads, cos, sin, cache_k, cache_v, torch.zeros(1, n, dtype=torch.long),
+                             at, torch.tensor([0]), prefix + n, visible, hq)
+    keys, values = cache_k[0, :prefix + n].double(), cache_v[0, :prefix + n].double()
+    x = heads.double()[0, :, :hq]
+    q = x * cos[0].double() + torch.roll(x, head_dim // 2, -1) * sin[0].double()
+    scores = torch.einsum("nhd,khd->nhk", q, keys.repeat_interleave(hq // hkv, 1)) \
+        / head_dim ** 0.5
+    scores = scores.masked_fill(~visible[0][:, None, :], float("-inf"))
+    reference = torch.einsum("nhk,khd->nhd", scores.softmax(-1),
+                             values.repeat_interleave(hq // hkv, 1)).reshape(n, -1)
+    plain_out = []
+    for node in range(n):
+        path = [i for i in range(n) if batch.ancestors[0, node, i]]  # root .. node
+        for depth, i in enumerate(path):
+            pos = torch.tensor([[prefix + depth]])
+            out = ops.attention(heads[:, i : i + 1], cos[:, i : i + 1], sin[:, i : i + 1],
+                                cache_k, cache_v, torch.tensor([[1]]), pos, torch.tensor([1]),
+                                prefix + depth + 1, None, hq)
+        plain_out.append(out[0, 0])
+    return tree_out[0], torch.stack(plain_out), reference
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])  # 64: AVX-512 where the CPU has it
+def test_native_attention_rows_stand_alone_and_stay_close(head_dim):
+    """The batch-invariant formats' native attention: a tree node's output is, bit for bit,
+    what plain decoding computes for it (same keys, other cache positions, other batch),
+    the vector and portable loops agree bit for bit, and both stay within float32's
+    rounding of float64 attention."""
+    ops = native.library()
+    if ops is None:
         pytest.skip("the native kernels could not be built")
-    engine = engine_in(tiny_llama, placement)
-    runtime, executor = engine.executor.runtime, engine.executor
-    gen = torch.Generator().manual_seed(0)
-    trees = [TokenTree()] + [random_tree(n, 128, gen) for n in (15, 6)]
-
-    def forwards():
-        runtime.cache.k.zero_()
-        runtime.cache.v.zero_()
-        outs = []
-        for batch, slots, prefix in (([trees[0]], [0], [9]), ([trees[1]], [0], [10]),
-                                     ([trees[1], trees[2]], [1, 2], [12, 5])):
-            tb = TreeBatch.build(batch, [3] * len(batch), prefix)
-            key_len = max(prefix) + tb.tokens.shape[1]
-            visible = None if tb.tokens.shape[1] == 1 else tb.visibility(key_len)
-            outs.append(executor.forward(ForwardArgs(
-                tb.tokens, tb.position_ids, torch.tensor(slots), tb.prefix_lens, visible)))
-        return outs, runtime.cache.k.clone(), runtime.cache.v.clone()
-
-    assert runtime._native is not None
-    for norm in [runtime.final, *(n for pair in runtime.norms for n in pair)]:
-        norm.native = None  # the native norm has numerics of its own (its test is below)
-    native_run = forwards()
-    runtime._native = None
-    torch_run = forwards()
-    assert all(torch.equal(a, b) for a, b in zip(native_run[0], torch_run[0], strict=True))
-    assert torch.equal(native_run[1], torch_run[1]) and torch.equal(native_run[2], torch_run[2])
+    runs = []
+    for portable in (False, True):
+        ops.attention_portable(portable)
+        try:
+            runs.append(_native_attention_case(ops, head_dim, torch.Generator().manual_seed(1)))
+        finally:
+            ops.attention_portable(False)
+    (tree_out, plain_out, reference), portable_run = runs
+    assert torch.equal(tree_out, plain_out)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], portable_run, strict=True))
+    error = (tree_out.double() - reference).abs().max() / reference.abs().max()
+    assert float(error) <= 1e-5, float(error)
 
 
 def test_native_rms_norm_rows_stand_alone_and_stay_close_to_torchs():

@@ -1,117 +1,361 @@
-// One layer's attention for the CPU's batch-invariant formats (bfloat16, int8) in one call:
-// the same arithmetic as the runtime's torch path (LlamaRuntime._attend), bit for bit, with
-// rotary, the float64 conversion and the cache writes done in one loop and the scores,
-// softmax and values by the same ATen operators on the same views, so ~30 operators a
-// layer (and their Python) fewer. Compiled with -ffp-contract=off: every product and sum
-// rounds as torch's elementwise operators do.
+// One layer's attention for the CPU's batch-invariant formats (bfloat16, int8) in one call,
+// in float32, with every (query, head) row computed on its own by loops whose order is in
+// the source: a row's bits depend on its query and on the keys and values it sees, in
+// order, and on nothing else (not on the rows beside it, the batch's shape, the positions
+// its keys sit at, the thread count or the vector width). So a tree node's row equals the
+// row plain decoding computes for the same token: its visible keys are the same keys in the
+// same order (its ancestors', written by this call at tree indices instead of consecutive
+// positions). torch's kernels give no such promise, which is why the runtime's torch path
+// runs attention in float64.
+//
+// Per row: scores s_r = dot(q, k_r) / sqrt(D) over the visible keys r = 0..n-1 (each dot
+// summed in 16 lanes by element, the lanes in a fixed tree), e_r = exp(s_r - max s) by the
+// exp below, the sum of e_r in 16 lanes by r, out = (sum_r e_r v_r) / sum e, accumulated
+// over r in order. Compiled with -ffp-contract=off: every product and sum rounds on its
+// own, so every x86-64 build gives the same bits (target_clones only widens the vectors).
 //
 //   heads     [B, Q, Hq + 2 Hkv, D]  the q | k | v projections (bfloat16 or float32)
-//   cos, sin  [B, Q, 1, D] float64   rotary tables; sin with its first half negated
-//   cache_k/v [slots, context, Hkv, D] float64, this layer's
+//   cos, sin  [B, Q, 1, D] float32   rotary tables; sin with its first half negated
+//   cache_k/v [slots, context, Hkv, D] float32, this layer's
 //   write_slot, write_pos [B, Q] int64: where each query's key and value go
 //   slots     [B] int64: the cache slot each batch row reads
-//   mask      None or [B * Hkv, G * Q, K] float64, additive
+//   visible   None (every key < key_len) or [B, Q, key_len] bool
 // returns     [B, Q, Hq * D] in heads' dtype.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 namespace {
 
-// qk[b, i, h] = rotary(q | k heads), in float64; the keys and values into the cache.
+constexpr int kLanes = 16;
+bool portable_only = false;  // tests: the portable loops even where AVX-512 runs
+
+// ---- the arithmetic, in portable loops: what every path must give, bit for bit ----------
+
+inline float fold(float* lanes) {  // the 16 lanes' sum, in a fixed tree
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0];
+}
+
+// Lane l sums a[i] * b[i] over i = l, l + 16, ... in order (starting from the first
+// product); then the lanes are folded.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[kLanes] = {};
+  for (int l = 0; l < kLanes && l < n; ++l) lanes[l] = a[l] * b[l];
+  for (int64_t k = kLanes; k < n; ++k) lanes[k % kLanes] += a[k] * b[k];
+  return fold(lanes);
+}
+
+// e^x for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, times 2^n),
+// within ~1 ulp; below -87 it gives e^-87 (~1e-38), nothing beside a row's largest term, 1.
+constexpr float kLog2e = 1.44269504088896341f, kRound = 12582912.0f;  // 1.5 * 2^23
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExp[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = (x * kLog2e + kRound) - kRound;  // round(x / ln2), ties to even
+  float r = x - n * kLn2Hi;
+  r = r - n * kLn2Lo;
+  float p = kExp[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExp[i];
+  p = p * (r * r) + r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Rows {
+  const float* qk;      // [B * Q, Hq + Hkv, D]
+  const float* keys;    // the cache: [slots, context, Hkv, D]
+  const float* values;
+  const int64_t* slots;
+  const bool* visible;  // [B, Q, key_len] or null
+  int64_t Q, hq, hkv, D, context, key_len;
+  float scale;
+};
+
+// One head's row: scores into e (then their exponentials), the values' weighted sum into o.
+void attend_head(const float* q, const float* keys, const float* values, int64_t stride,
+                 const int64_t* seen, int64_t n, int64_t D, float scale, float* e, float* o) {
+  float top = -INFINITY;
+  for (int64_t r = 0; r < n; ++r) {
+    e[r] = dot(q, keys + seen[r] * stride, D) * scale;
+    top = std::max(top, e[r]);
+  }
+  float lanes[kLanes] = {};
+  for (int64_t r = 0; r < n; ++r) {
+    e[r] = exp_nonpositive(e[r] - top);
+    lanes[r % kLanes] += e[r];
+  }
+  const float total = fold(lanes);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t d = 0; d < D; ++d) o[d] = r == 0 ? e[0] * values[seen[0] * stride + d]
+                                                  : o[d] + e[r] * values[seen[r] * stride + d];
+  for (int64_t d = 0; d < D; ++d) o[d] = o[d] / total;
+}
+
+// ---- the same arithmetic on AVX-512 (D a multiple of 16) ---------------------------------
+
+#define AVX512 __attribute__((target("avx512f")))
+
+// 16 keys' lane vectors folded at once: the fold's pairs added (lane l + lane l + 8, then
+// + 4, + 2, + 1) while the vectors are transposed, so key j's sum lands in lane j.
+AVX512 inline __m512 fold16(__m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // per key: lanes 0-7 + 8-15 (two keys a vector)
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // lanes 0-3 + 4-7 (four keys, one per 128 bits)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // lanes 0-1 + 2-3 (two keys in each 128 bits)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88),
+                                    _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  return sums;  // lane 4p + s: key 4s + p (find_fold_order)
+}
+
+alignas(64) int32_t fold_order[kLanes];  // key j's sum is in lane fold_order[j]
+
+AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_sub_ps(
+      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _mm512_set1_ps(kRound)),
+      _mm512_set1_ps(kRound));
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(kLn2Hi)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(kLn2Lo)));
+  __m512 p = _mm512_set1_ps(kExp[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(kExp[i]));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r),
+                    _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// CHUNKS = D / 16, fixed at compile time so that q and the sums stay in registers.
+template <int CHUNKS>
+AVX512 void attend_head_avx512(const float* q, const float* keys, const float* values,
+                               int64_t stride, const int64_t* seen, int64_t n, float scale,
+                               float* e, float* o) {
+  const __m512i order = _mm512_load_si512(fold_order);
+  __m512 query[CHUNKS];
+  for (int c = 0; c < CHUNKS; ++c) query[c] = _mm512_loadu_ps(q + c * kLanes);
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  __m512 v[kLanes];
+  for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, n - r0);
+    for (int64_t j = 0; j < kLanes; ++j) {
+      if (j >= m) {
+        v[j] = _mm512_setzero_ps();
+        continue;
+      }
+      const float* k = keys + seen[r0 + j] * stride;
+      __m512 acc = _mm512_mul_ps(query[0], _mm512_loadu_ps(k));
+      for (int c = 1; c < CHUNKS; ++c)
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(query[c], _mm512_loadu_ps(k + c * kLanes)));
+      v[j] = acc;
+    }
+    const __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(order, fold16(v)),
+                                   _mm512_set1_ps(scale));
+    const __mmask16 live = m == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << m) - 1);
+    _mm512_mask_storeu_ps(e + r0, live, s);
+    top = _mm512_mask_max_ps(top, live, top, s);
+  }
+  const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));  // max: order-free
+  __m512 lanes = _mm512_setzero_ps();
+  for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, n - r0);
+    const __mmask16 live = m == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << m) - 1);
+    const __m512 x = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, e + r0), most));
+    _mm512_mask_storeu_ps(e + r0, live, x);
+    lanes = _mm512_mask_add_ps(lanes, live, lanes, x);
+  }
+  alignas(64) float folded[kLanes];
+  _mm512_store_ps(folded, lanes);
+  const __m512 total = _mm512_set1_ps(fold(folded));
+  __m512 acc[CHUNKS];  // independent chains, one per 16 values of d
+  const float* v0 = values + seen[0] * stride;
+  for (int c = 0; c < CHUNKS; ++c)
+    acc[c] = _mm512_mul_ps(_mm512_set1_ps(e[0]), _mm512_loadu_ps(v0 + c * kLanes));
+  for (int64_t r = 1; r < n; ++r) {
+    const __m512 w = _mm512_set1_ps(e[r]);
+    const float* vr = values + seen[r] * stride;
+    for (int c = 0; c < CHUNKS; ++c)
+      acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(w, _mm512_loadu_ps(vr + c * kLanes)));
+  }
+  for (int c = 0; c < CHUNKS; ++c)
+    _mm512_storeu_ps(o + c * kLanes, _mm512_div_ps(acc[c], total));
+}
+
+using HeadKernel = void (*)(const float*, const float*, const float*, int64_t, const int64_t*,
+                            int64_t, float, float*, float*);
+
+// Which lane fold16 leaves each key's sum in, found by folding keys 0..15 as 1024 j in
+// lane 0 (the shuffles only move values, so the same permutation holds for any input).
+AVX512 void find_fold_order() {
+  __m512 v[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    alignas(64) float x[kLanes] = {};
+    x[0] = 1024.0f * j;
+    v[j] = _mm512_load_ps(x);
+  }
+  alignas(64) float lane_of[kLanes];
+  _mm512_store_ps(lane_of, fold16(v));
+  for (int l = 0; l < kLanes; ++l) fold_order[int(lane_of[l] / 1024.0f)] = l;
+}
+
+// The AVX-512 kernel for head size D where the CPU has it (and D is one it is built for).
+HeadKernel avx512_kernel(int64_t D) {
+  static const bool has = __builtin_cpu_supports("avx512f") && (find_fold_order(), true);
+  if (!has || portable_only) return nullptr;
+  switch (D) {
+    case 32: return attend_head_avx512<2>;
+    case 64: return attend_head_avx512<4>;
+    case 96: return attend_head_avx512<6>;
+    case 128: return attend_head_avx512<8>;
+    default: return nullptr;
+  }
+}
+
+// Query row `row` (= b * Q + j), kv head g and its G query heads, into out[G * D].
+void attend_row(const Rows& a, int64_t row, int64_t g, int64_t* seen, float* e, float* out) {
+  const int64_t b = row / a.Q, G = a.hq / a.hkv, D = a.D, stride = a.hkv * D;
+  int64_t n = 0;
+  if (a.visible == nullptr) {
+    for (int64_t k = 0; k < a.key_len; ++k) seen[n++] = k;
+  } else {
+    const bool* vis = a.visible + row * a.key_len;
+    for (int64_t k = 0; k < a.key_len; ++k)
+      if (vis[k]) seen[n++] = k;
+  }
+  const float* keys = a.keys + a.slots[b] * a.context * stride + g * D;
+  const float* values = a.values + a.slots[b] * a.context * stride + g * D;
+  const HeadKernel avx512 = avx512_kernel(D);
+  for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+    float* o = out + (h - g * G) * D;
+    if (n == 0) {  // padding that sees nothing: zeros, never read
+      std::fill(o, o + D, 0.0f);
+      continue;
+    }
+    const float* q = a.qk + (row * (a.hq + a.hkv) + h) * D;
+    if (avx512) {
+      avx512(q, keys, values, stride, seen, n, a.scale, e, o);
+    } else {
+      attend_head(q, keys, values, stride, seen, n, D, a.scale, e, o);
+    }
+  }
+}
+
+// qk[row, h] = rotary(q | k heads) in float32; the keys and values into the cache.
 template <typename T>
 void rotate_and_write(const T* heads, int64_t rows, int64_t hq, int64_t hkv, int64_t D,
-                      const double* cos, const double* sin, double* qk, double* ck, double* cv,
+                      const float* cos, const float* sin, float* qk, float* ck, float* cv,
                       int64_t slot_stride, const int64_t* write_slot, const int64_t* write_pos) {
   const int64_t width = hq + 2 * hkv, half = D / 2;
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = heads + r * width * D;
-    const double* c = cos + r * D;
-    const double* s = sin + r * D;
-    double* out = qk + r * (hq + hkv) * D;
+    const float* c = cos + r * D;
+    const float* s = sin + r * D;
+    float* out = qk + r * (hq + hkv) * D;
     for (int64_t h = 0; h < hq + hkv; ++h) {
       const T* x = row + h * D;
-      for (int64_t j = 0; j < D; ++j) {  // x * cos + roll(x, D / 2) * signed sin
-        const double straight = double(x[j]) * c[j];
-        const double rolled = double(x[(j + half) % D]) * s[j];
-        out[h * D + j] = straight + rolled;
-      }
+      float* y = out + h * D;
+      for (int64_t j = 0; j < half; ++j)  // x * cos + roll(x, D / 2) * signed sin
+        y[j] = float(x[j]) * c[j] + float(x[j + half]) * s[j];
+      for (int64_t j = half; j < D; ++j) y[j] = float(x[j]) * c[j] + float(x[j - half]) * s[j];
     }
     const int64_t at = write_slot[r] * slot_stride + write_pos[r] * hkv * D;
     for (int64_t j = 0; j < hkv * D; ++j) {
       ck[at + j] = out[hq * D + j];
-      cv[at + j] = double(row[(hq + hkv) * D + j]);
+      cv[at + j] = float(row[(hq + hkv) * D + j]);
     }
   }
 }
 
 }  // namespace
 
+void attention_portable(bool on) { portable_only = on; }
+
 at::Tensor attention(const at::Tensor& heads_in, const at::Tensor& cos_in,
-                        const at::Tensor& sin_in, at::Tensor cache_k, at::Tensor cache_v,
-                        const at::Tensor& write_slot_in, const at::Tensor& write_pos_in,
-                        const at::Tensor& slots, int64_t key_len,
-                        const c10::optional<at::Tensor>& mask, int64_t hq) {
+                     const at::Tensor& sin_in, at::Tensor cache_k, at::Tensor cache_v,
+                     const at::Tensor& write_slot_in, const at::Tensor& write_pos_in,
+                     const at::Tensor& slots_in, int64_t key_len,
+                     const c10::optional<at::Tensor>& visible_in, int64_t hq) {
   TORCH_CHECK(heads_in.dim() == 4, "heads: [B, Q, heads, D]");
-  TORCH_CHECK(cache_k.scalar_type() == at::kDouble && cache_k.is_contiguous() &&
+  TORCH_CHECK(cache_k.scalar_type() == at::kFloat && cache_k.is_contiguous() &&
                   cache_v.is_contiguous() && cache_v.sizes() == cache_k.sizes(),
-              "cache: contiguous float64 [slots, context, Hkv, D]");
+              "cache: contiguous float32 [slots, context, Hkv, D]");
   const auto heads = heads_in.contiguous();
   const int64_t B = heads.size(0), Q = heads.size(1), D = heads.size(3);
   const int64_t hkv = cache_k.size(2), G = hq / hkv;
   TORCH_CHECK(heads.size(2) == hq + 2 * hkv && cache_k.size(3) == D && hq % hkv == 0 &&
                   D % 2 == 0 && key_len <= cache_k.size(1),
               "heads, the cache and key_len disagree");
-  // Laid out once per forward by the runtime (LlamaRuntime._rows): no copies here.
   const auto cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const auto write_slot = write_slot_in.contiguous(), write_pos = write_pos_in.contiguous();
-  TORCH_CHECK(cos.scalar_type() == at::kDouble && sin.scalar_type() == at::kDouble &&
+  const auto slots = slots_in.contiguous();
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.numel() == B * Q * D && sin.numel() == B * Q * D,
-              "cos, sin: [B, Q, 1, D] float64");
+              "cos, sin: [B, Q, 1, D] float32");
   TORCH_CHECK(write_slot.scalar_type() == at::kLong && write_pos.scalar_type() == at::kLong &&
-                  write_slot.numel() == B * Q && write_pos.numel() == B * Q,
-              "write_slot, write_pos: [B, Q] int64");
-  auto qk = at::empty({B, Q, hq + hkv, D}, heads.options().dtype(at::kDouble));
+                  write_slot.numel() == B * Q && write_pos.numel() == B * Q &&
+                  slots.scalar_type() == at::kLong && slots.numel() == B,
+              "write_slot, write_pos: [B, Q], slots: [B], int64");
+  at::Tensor visible;
+  if (visible_in.has_value()) {
+    visible = visible_in->contiguous();
+    TORCH_CHECK(visible.scalar_type() == at::kBool && visible.numel() == B * Q * key_len,
+                "visible: [B, Q, key_len] bool");
+  }
+  auto qk = at::empty({B, Q, hq + hkv, D}, heads.options().dtype(at::kFloat));
   const int64_t slot_stride = cache_k.size(1) * hkv * D;
   AT_DISPATCH_SWITCH(heads.scalar_type(), "attention",
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        rotate_and_write(heads.data_ptr<scalar_t>(), B * Q, hq, hkv, D, cos.data_ptr<double>(),
-                         sin.data_ptr<double>(), qk.data_ptr<double>(),
-                         cache_k.data_ptr<double>(), cache_v.data_ptr<double>(), slot_stride,
+        rotate_and_write(heads.data_ptr<scalar_t>(), B * Q, hq, hkv, D, cos.data_ptr<float>(),
+                         sin.data_ptr<float>(), qk.data_ptr<float>(),
+                         cache_k.data_ptr<float>(), cache_v.data_ptr<float>(), slot_stride,
                          write_slot.data_ptr<int64_t>(), write_pos.data_ptr<int64_t>());
       })
       AT_DISPATCH_CASE(at::kFloat, [&] {
-        rotate_and_write(heads.data_ptr<scalar_t>(), B * Q, hq, hkv, D, cos.data_ptr<double>(),
-                         sin.data_ptr<double>(), qk.data_ptr<double>(),
-                         cache_k.data_ptr<double>(), cache_v.data_ptr<double>(), slot_stride,
+        rotate_and_write(heads.data_ptr<scalar_t>(), B * Q, hq, hkv, D, cos.data_ptr<float>(),
+                         sin.data_ptr<float>(), qk.data_ptr<float>(),
+                         cache_k.data_ptr<float>(), cache_v.data_ptr<float>(), slot_stride,
                          write_slot.data_ptr<int64_t>(), write_pos.data_ptr<int64_t>());
       }));
-  // From here the runtime's own operators on the same views (LlamaRuntime._attention).
-  at::Tensor keys, values;
-  if (B == 1) {  // a view, no copy
-    const int64_t slot = slots.item<int64_t>();
-    keys = cache_k.select(0, slot).narrow(0, 0, key_len).unsqueeze(0);
-    values = cache_v.select(0, slot).narrow(0, 0, key_len).unsqueeze(0);
-  } else {
-    keys = cache_k.narrow(1, 0, key_len).index_select(0, slots);
-    values = cache_v.narrow(1, 0, key_len).index_select(0, slots);
-  }
-  const auto q = qk.narrow(2, 0, hq).transpose(1, 2);
-  const auto grouped = q.reshape({B * hkv, G * Q, D});
-  const auto keys_t = keys.transpose(1, 2).reshape({B * hkv, key_len, D}).transpose(1, 2);
-  const double scale = std::pow(double(D), -0.5);
-  const auto scores = mask.has_value()
-      ? at::baddbmm(*mask, grouped, keys_t, 1.0, scale)
-      : at::bmm(grouped, keys_t).mul_(scale);
-  const auto out = at::bmm(scores.softmax(-1),
-                           values.transpose(1, 2).reshape({B * hkv, key_len, D}))
-                       .view({B, hq, Q, D});
-  return out.transpose(1, 2).reshape({B, Q, hq * D}).to(heads.scalar_type());
+  const Rows rows{qk.data_ptr<float>(), cache_k.data_ptr<float>(), cache_v.data_ptr<float>(),
+                  slots.data_ptr<int64_t>(),
+                  visible.defined() ? visible.data_ptr<bool>() : nullptr,
+                  Q, hq, hkv, D, cache_k.size(1), key_len, 1.0f / std::sqrt(float(D))};
+  auto out = at::empty({B, Q, hq * D}, heads.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  // Items are (query row, kv head); a thread takes whole items, so its split changes no bits.
+  const int64_t items = B * Q * hkv, work = std::max<int64_t>(1, key_len * G * D);
+  at::parallel_for(0, items, std::max<int64_t>(1, (1 << 20) / work), [&](int64_t i0, int64_t i1) {
+    std::vector<int64_t> seen(key_len);
+    std::vector<float> e(key_len);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row = i / hkv, g = i % hkv;
+      attend_row(rows, row, g, seen.data(), e.data(), op + row * hq * D + g * G * D);
+    }
+  });
+  return out.to(heads.scalar_type());
 }
 
 TORCH_LIBRARY_FRAGMENT(specinfer, m) {
+  m.def("attention_portable(bool on) -> ()", &attention_portable);
   m.def("attention(Tensor heads, Tensor cos, Tensor sin, Tensor(a!) cache_k, "
         "Tensor(b!) cache_v, Tensor write_slot, Tensor write_pos, Tensor slots, int key_len, "
-        "Tensor? mask, int hq) -> Tensor", &attention);
+        "Tensor? visible, int hq) -> Tensor", &attention);
 }
