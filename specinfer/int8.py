@@ -79,10 +79,26 @@ def _cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-def _build(name: str, q: torch.Tensor, scale: torch.Tensor, act: torch.dtype) -> Kernel:
+class AmxLinear:
+    """``x @ weight.T (+ bias)`` by our AMX kernel; its tiles and scales are what the
+    native decoder loop (``csrc/decoder_layers.cpp``) calls it with."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.tiles, self.scale, self.bias, self.out = amx_tiles(q), scale, bias, q.shape[0]
+        self.ops = native.library()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ops.int8_amx_linear(x, self.tiles, self.scale, self.out)
+        return y if self.bias is None else y + self.bias
+
+
+def _build(name: str, q: torch.Tensor, scale: torch.Tensor, act: torch.dtype,
+           bias: torch.Tensor | None = None) -> Kernel:
     if name == "amx":
-        tiles, out, ops = amx_tiles(q), q.shape[0], native.library()
-        return lambda x: ops.int8_amx_linear(x, tiles, scale, out)
+        return AmxLinear(q, scale, bias)
+    if bias is not None:
+        run = _build(name, q, scale, act)
+        return lambda x: run(x) + bias
     scale_act = scale.to(act)
     pad = -q.shape[1] % 16  # torch's kernel reads past a reduction not a multiple of 16
     if pad:
@@ -131,7 +147,4 @@ def chosen(act: torch.dtype) -> str:
 def kernel(weight: torch.Tensor, bias: torch.Tensor | None, act: torch.dtype) -> Kernel:
     """Weight-only int8 ``x @ weight.T + bias`` in ``act``, on this process's kernel."""
     q, scale = quantize(weight)
-    run = _build(chosen(act), q, scale, act)
-    if bias is None:
-        return run
-    return lambda x: run(x) + bias
+    return _build(chosen(act), q, scale, act, bias)

@@ -106,26 +106,40 @@ def _packed(weight: torch.Tensor, bias: torch.Tensor | None, compiled: bool = Fa
         return out
 
     run = one if parts == 1 else summed
-    if not plan.rows:
-        return run
-
-    def pieces(x: torch.Tensor) -> torch.Tensor:  # at most plan.rows rows a call
-        if x.shape[0] <= plan.rows:
-            return run(x)
-        return torch.cat([run(p) for p in x.split(plan.rows)])
-
+    if plan.rows:
+        def pieces(x: torch.Tensor) -> torch.Tensor:  # at most plan.rows rows a call
+            if x.shape[0] <= plan.rows:
+                return run(x)
+            return torch.cat([run(p) for p in x.split(plan.rows)])
+    else:
+        pieces = run
+    if parts == 1:
+        pieces.native = NativeForm(2, packed[0], None, bias, weight.shape[0], plan.rows)
     return pieces
+
+
+class NativeForm(NamedTuple):
+    """A linear as the native decoder loop calls it (``csrc/decoder_layers.cpp``)."""
+
+    kind: int  # 1: our int8 AMX kernel; 2: oneDNN's packed kernel
+    weight: torch.Tensor  # the AMX tiles, or oneDNN's packed weight
+    scale: torch.Tensor | None  # int8: the per-output scale
+    bias: torch.Tensor | None
+    out: int
+    rows: int  # oneDNN: the most rows a call takes (0: all)
 
 
 class Linear:
     """One projection (possibly several fused, e.g. q/k/v): ``small`` serves up to
-    ``small_rows`` rows, ``large`` the rest."""
+    ``small_rows`` rows, ``large`` the rest. ``native``: the same kernel as the native
+    decoder loop calls it, where it can."""
 
     def __init__(self, out_features: int, small: Kernel, large: Kernel | None = None,
-                 small_rows: int = 0) -> None:
+                 small_rows: int = 0, native: NativeForm | None = None) -> None:
         self.out_features = out_features
         self.small, self.large = small, large or small
         self.small_rows = small_rows if large is not None else 1 << 30
+        self.native = native
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -167,7 +181,10 @@ def build(modules: list[torch.nn.Linear], placement: Placement, measure: bool = 
         w = weight.to(dev, act).contiguous()
         return Linear(out, lambda x: F.linear(x, w, bias))
     if placement.quantize == "int8":  # one kernel for every row count: batch-invariant
-        return Linear(out, int8.kernel(weight, bias, act))
+        kernel = int8.kernel(weight, bias, act)
+        native = NativeForm(1, kernel.tiles, kernel.scale, kernel.bias, out, 0) \
+            if isinstance(kernel, int8.AmxLinear) else None
+        return Linear(out, kernel, native=native)
     w = weight.to(act).contiguous()
     if act == torch.float32:
         packed = _packed(w, bias, placement.compile)
@@ -175,7 +192,10 @@ def build(modules: list[torch.nn.Linear], placement: Placement, measure: bool = 
             return Linear(out, _blas(w, bias))
         return _routed(out, _blas(w, bias), packed, weight.shape[1], act, measure)
     if act == torch.bfloat16:  # one kernel for every row count: batch-independent rows
-        return Linear(out, _packed(w, bias, placement.compile) or _blas(w, bias))
+        kernel = _packed(w, bias, placement.compile)
+        if kernel is None:
+            return Linear(out, _blas(w, bias))
+        return Linear(out, kernel, native=getattr(kernel, "native", None))
     return Linear(out, _blas(w, bias))
 
 

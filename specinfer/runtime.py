@@ -158,6 +158,7 @@ class LlamaRuntime:
         self.scratch_slot = slots
         self.cache = KVCache(len(self.layers), slots + 1, slot_len, kv_heads, self.head_dim,
                              self.attn_dtype, self.device)
+        self._native_loop = self._native_loop_args()
         self._graphs = None
         self.model: torch.nn.Module | None = None  # the transformers model, with from_model
         self._compiled = None
@@ -259,6 +260,8 @@ class LlamaRuntime:
         rows = self._rows(hidden, positions, slots, offsets, visible, key_len, packed)
         if packed is not None:
             return self._layers(hidden.reshape(b * q, width).index_select(0, packed), [rows])
+        if self._native_loop is not None:
+            return self._layers(hidden, [rows])
         for i, (proj, (norm_in, norm_post), act_fn) in enumerate(zip(
                 self.proj, self.norms, self.acts, strict=True)):
             heads = proj.qkv(norm_in(hidden)).view(b, q, -1, self.head_dim)  # [q | k | v]
@@ -310,9 +313,32 @@ class LlamaRuntime:
                      write_pos, key_len, mask, window_masks, packed,
                      single=b == 1 and not hidden.is_cuda)  # (a device scalar index syncs)
 
+    def _native_loop_args(self) -> dict | None:
+        """The weights as the native decoder loop (``csrc/decoder_layers.cpp``) takes them,
+        where every part of every layer is one it runs (our norms and attention, SiLU,
+        linears that are our int8 AMX or oneDNN's packed kernel, one for every row count);
+        else None and the Python loop runs."""
+        if self._native is None or not hasattr(self._native, "decoder_layers"):
+            return None
+        forms = [getattr(lin, "native", None) for p in self.proj
+                 for lin in (p.qkv, p.o, p.gate_up, p.down)]
+        norms = [n for pair in self.norms for n in pair]
+        if any(f is None for f in forms) or any(a is not F.silu for a in self.acts) or \
+                any(n.eps is None or n.eps != norms[0].eps for n in norms):
+            return None
+        return {"weights": [f.weight for f in forms], "scales": [f.scale for f in forms],
+                "biases": [f.bias for f in forms], "kinds": [f.kind for f in forms],
+                "outs": [f.out for f in forms], "rows": [f.rows for f in forms],
+                "norms": [n.native_weight for n in norms], "eps": norms[0].eps,
+                "hq": forms[0].out // self.head_dim - 2 * self.cache.k.shape[3],
+                "head_dim": self.head_dim}
+
     def _layers(self, hidden: torch.Tensor, parts: list[_Rows]) -> torch.Tensor:
         """The layers over ``hidden``: ``[B, Q, H]`` for one part unpacked, else the parts'
-        real queries one after another, ``[N, H]``."""
+        real queries one after another, ``[N, H]``. Where the native decoder loop runs,
+        the same operators in one call (no Python between them: the same bits)."""
+        if self._native_loop is not None:
+            return self._native_layers(hidden, parts)
         bounds = [0, 0]  # each part's queries in ``hidden`` (one part: all of them)
         if len(parts) > 1:
             bounds = [0]
@@ -340,6 +366,16 @@ class LlamaRuntime:
             gate, up = proj.gate_up(norm_post(hidden)).chunk(2, -1)
             hidden = hidden + proj.down(act_fn(gate) * up)
         return hidden
+
+    def _native_layers(self, hidden: torch.Tensor, parts: list[_Rows]) -> torch.Tensor:
+        masks = [rows.window_masks.get(w, rows.mask) for rows in parts for w in self.windows]
+        return self._native.decoder_layers(
+            hidden, **self._native_loop, cos=[r.cos for r in parts], sin=[r.sin for r in parts],
+            write_slot=[r.write_slot for r in parts], write_pos=[r.write_pos for r in parts],
+            slots=[r.slots for r in parts], key_lens=[r.key_len for r in parts],
+            part_b=[r.b for r in parts], part_q=[r.q for r in parts],
+            packed=[r.packed for r in parts], masks=masks, cache_k=self.cache.k,
+            cache_v=self.cache.v)
 
     def _attend(self, i: int, heads: torch.Tensor, rows: _Rows) -> torch.Tensor:
         """Layer ``i``'s attention for ``heads [B, Q, Hq + 2 Hkv, D]`` (the q | k | v

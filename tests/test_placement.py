@@ -235,6 +235,52 @@ def test_native_attention_rows_stand_alone_and_stay_close(head_dim):
     assert float(error) <= 1e-5, float(error)
 
 
+@pytest.mark.parametrize("placement", [resolve("cpu", "bfloat16"),
+                                       resolve("cpu", quantize="int8")],
+                         ids=["bfloat16", "int8"])
+def test_native_decoder_loop_gives_the_python_loops_bits(tiny_llama, placement):
+    """The layers in one native call: the same logits and KV cache as the runtime's Python
+    loop over the same operators, bit for bit, for a plain row, a tree, two trees of
+    different lengths in one batch (packed), and a plain row beside a tree in one pass."""
+    if native.library() is None:
+        pytest.skip("the native kernels could not be built")
+    engine = engine_in(tiny_llama, placement)
+    runtime, executor = engine.executor.runtime, engine.executor
+    if int8.chosen(torch.bfloat16) != "amx" and placement.quantize == "int8" or \
+            linears.bfloat16_plan().k_part:
+        assert runtime._native_loop is None  # torch's int8 kernel, or cut reductions
+        pytest.skip("this CPU's kernels are not ones the native loop calls")
+    gen = torch.Generator().manual_seed(0)
+    trees = [TokenTree()] + [random_tree(n, 128, gen) for n in (15, 6)]
+
+    def forwards():
+        runtime.cache.k.zero_()
+        runtime.cache.v.zero_()
+        outs = []
+        for batch, slots, prefix in (([trees[0]], [0], [9]), ([trees[1]], [0], [10]),
+                                     ([trees[1], trees[2]], [1, 2], [12, 5])):
+            tb = TreeBatch.build(batch, [3] * len(batch), prefix)
+            visible = None if tb.tokens.shape[1] == 1 else \
+                tb.visibility(max(prefix) + tb.tokens.shape[1])
+            outs.append(executor.forward(ForwardArgs(
+                tb.tokens, tb.position_ids, torch.tensor(slots), tb.prefix_lens, visible)))
+        parts = []
+        for tree, slot, prefix in ((trees[0], 3, 7), (trees[2], 0, 30)):
+            tb = TreeBatch.build([tree], [5], [prefix])
+            visible = tb.visibility(prefix + tb.tokens.shape[1])
+            parts.append((runtime.embed(tb.tokens), tb.position_ids, torch.tensor([slot]),
+                          tb.prefix_lens, visible, visible.shape[-1], None))
+        outs += runtime.segments_forward(parts)
+        return outs, runtime.cache.k.clone(), runtime.cache.v.clone()
+
+    assert runtime._native_loop is not None
+    native_run = forwards()
+    runtime._native_loop = None
+    python_run = forwards()
+    assert all(torch.equal(a, b) for a, b in zip(native_run[0], python_run[0], strict=True))
+    assert torch.equal(native_run[1], python_run[1]) and torch.equal(native_run[2], python_run[2])
+
+
 def test_native_rms_norm_rows_stand_alone_and_stay_close_to_torchs():
     """The bfloat16 formats' native RMSNorm: a row's bits whatever rows come with it, at
     widths on and off its 16 lanes, within bfloat16's rounding of torch's norm."""
