@@ -73,13 +73,19 @@ def test_float32_greedy_equals_transformers(tiny_llama, hf_model):
         assert res.token_ids == hf_greedy(hf_model, prompt, 30)
 
 
-@pytest.mark.parametrize("placement", [resolve("cpu", "bfloat16"),
-                                       resolve("cpu", quantize="int8")],
-                         ids=["bfloat16", "int8"])
-def test_speculation_equals_its_own_plain_decoding(tiny_llama, hf_model, placement):
+@pytest.mark.parametrize("placement,kernels", [
+    (resolve("cpu", "bfloat16"), "native"), (resolve("cpu", quantize="int8"), "native"),
+    (resolve("cpu", "bfloat16"), "torch")], ids=["bfloat16", "int8", "bfloat16-torch-ops"])
+def test_speculation_equals_its_own_plain_decoding(tiny_llama, hf_model, placement, kernels,
+                                                    monkeypatch):
     """Batch-invariant kernels: a row's bits do not depend on the rows beside it, so trees,
-    batches and single-token steps agree exactly (and speculation really accepted)."""
+    batches and single-token steps agree exactly (and speculation really accepted); with
+    our native kernels, and with torch's operators where they cannot be built."""
+    if kernels == "torch":
+        monkeypatch.setattr(native, "_loaded", True)
+        monkeypatch.setattr(native, "_ops", None)
     engine = engine_in(tiny_llama, placement)
+    assert (engine.executor.runtime._native is None) == (kernels == "torch")
     plain = [r.token_ids for r in generate_local(engine, prompts(), 40)]
     single = [generate_local(engine, [p], 40)[0].token_ids for p in prompts()]
     spec = generate_local(engine, prompts(), 40, trees=noisy_oracle(hf_model, 1))

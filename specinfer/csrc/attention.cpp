@@ -10,9 +10,11 @@
 //
 // Per row: scores s_r = dot(q, k_r) / sqrt(D) over the visible keys r = 0..n-1 (each dot
 // summed in 16 lanes by element, the lanes in a fixed tree), e_r = exp(s_r - max s) by the
-// exp below, the sum of e_r in 16 lanes by r, out = (sum_r e_r v_r) / sum e, accumulated
-// over r in order. Compiled with -ffp-contract=off: every product and sum rounds on its
-// own, so every x86-64 build gives the same bits (target_clones only widens the vectors).
+// exp below, the sum of e_r in 16 lanes by r, out = (sum_r e_r v_r) / sum e, the even and
+// the odd r accumulated in order in two sums (fused multiply-adds), added at the end.
+// Compiled with -ffp-contract=off: every other product and sum rounds on its own, and the
+// fused ones are explicit (std::fma in the portable loops, exact where the CPU has no FMA),
+// so every x86-64 CPU gives the same bits.
 //
 //   heads     [B, Q, Hq + 2 Hkv, D]  the q | k | v projections (bfloat16 or float32)
 //   cos, sin  [B, Q, 1, D] float32   rotary tables; sin with its first half negated
@@ -44,12 +46,12 @@ inline float fold(float* lanes) {  // the 16 lanes' sum, in a fixed tree
   return lanes[0];
 }
 
-// Lane l sums a[i] * b[i] over i = l, l + 16, ... in order (starting from the first
-// product); then the lanes are folded.
+// Lane l sums a[i] * b[i] over i = l, l + 16, ... in order (the first product, then fused
+// multiply-adds, each rounded once); then the lanes are folded.
 inline float dot(const float* a, const float* b, int64_t n) {
   float lanes[kLanes] = {};
   for (int l = 0; l < kLanes && l < n; ++l) lanes[l] = a[l] * b[l];
-  for (int64_t k = kLanes; k < n; ++k) lanes[k % kLanes] += a[k] * b[k];
+  for (int64_t k = kLanes; k < n; ++k) lanes[k % kLanes] = std::fma(a[k], b[k], lanes[k % kLanes]);
   return fold(lanes);
 }
 
@@ -98,10 +100,13 @@ void attend_head(const float* q, const float* keys, const float* values, int64_t
     lanes[r % kLanes] += e[r];
   }
   const float total = fold(lanes);
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t d = 0; d < D; ++d) o[d] = r == 0 ? e[0] * values[seen[0] * stride + d]
-                                                  : o[d] + e[r] * values[seen[r] * stride + d];
-  for (int64_t d = 0; d < D; ++d) o[d] = o[d] / total;
+  std::vector<float> odd(D, 0.0f);  // the even ranks' sum in o, the odd ranks' here
+  std::fill(o, o + D, 0.0f);
+  for (int64_t r = 0; r < n; ++r) {
+    float* sum = r % 2 ? odd.data() : o;
+    for (int64_t d = 0; d < D; ++d) sum[d] = std::fma(e[r], values[seen[r] * stride + d], sum[d]);
+  }
+  for (int64_t d = 0; d < D; ++d) o[d] = (o[d] + odd[d]) / total;
 }
 
 // ---- the same arithmetic on AVX-512 (D a multiple of 16) ---------------------------------
@@ -164,7 +169,7 @@ AVX512 void attend_head_avx512(const float* q, const float* keys, const float* v
       const float* k = keys + seen[r0 + j] * stride;
       __m512 acc = _mm512_mul_ps(query[0], _mm512_loadu_ps(k));
       for (int c = 1; c < CHUNKS; ++c)
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(query[c], _mm512_loadu_ps(k + c * kLanes)));
+        acc = _mm512_fmadd_ps(query[c], _mm512_loadu_ps(k + c * kLanes), acc);
       v[j] = acc;
     }
     const __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(order, fold16(v)),
@@ -185,18 +190,27 @@ AVX512 void attend_head_avx512(const float* q, const float* keys, const float* v
   alignas(64) float folded[kLanes];
   _mm512_store_ps(folded, lanes);
   const __m512 total = _mm512_set1_ps(fold(folded));
-  __m512 acc[CHUNKS];  // independent chains, one per 16 values of d
-  const float* v0 = values + seen[0] * stride;
-  for (int c = 0; c < CHUNKS; ++c)
-    acc[c] = _mm512_mul_ps(_mm512_set1_ps(e[0]), _mm512_loadu_ps(v0 + c * kLanes));
-  for (int64_t r = 1; r < n; ++r) {
-    const __m512 w = _mm512_set1_ps(e[r]);
-    const float* vr = values + seen[r] * stride;
+  // Even and odd ranks in two sums: two chains of additions the core overlaps.
+  __m512 even[CHUNKS], odd[CHUNKS];
+  for (int c = 0; c < CHUNKS; ++c) even[c] = odd[c] = _mm512_setzero_ps();
+  int64_t r = 0;
+  for (; r + 1 < n; r += 2) {
+    const __m512 w0 = _mm512_set1_ps(e[r]), w1 = _mm512_set1_ps(e[r + 1]);
+    const float* v0 = values + seen[r] * stride;
+    const float* v1 = values + seen[r + 1] * stride;
+    for (int c = 0; c < CHUNKS; ++c) {
+      even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + c * kLanes), even[c]);
+      odd[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v1 + c * kLanes), odd[c]);
+    }
+  }
+  if (r < n) {
+    const __m512 w0 = _mm512_set1_ps(e[r]);
+    const float* v0 = values + seen[r] * stride;
     for (int c = 0; c < CHUNKS; ++c)
-      acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(w, _mm512_loadu_ps(vr + c * kLanes)));
+      even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + c * kLanes), even[c]);
   }
   for (int c = 0; c < CHUNKS; ++c)
-    _mm512_storeu_ps(o + c * kLanes, _mm512_div_ps(acc[c], total));
+    _mm512_storeu_ps(o + c * kLanes, _mm512_div_ps(_mm512_add_ps(even[c], odd[c]), total));
 }
 
 using HeadKernel = void (*)(const float*, const float*, const float*, int64_t, const int64_t*,
