@@ -39,56 +39,76 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Weight blocks [b0, b1) against row tiles [mt0, mt1) of `rows` rows each, on one thread.
-// A tile is configured with just the rows it has: a tile load costs about one cycle per row
-// here (15 ns for 16 rows, 1 ns for one), and a plain step has one.
-// tmm0-2: the digits' int32 sums; tmm3-5: the digits of the rows; tmm6: the weight.
-AMX_TARGET void amx_pass(const int8_t* digits, int64_t digit_stride, int64_t mt0, int64_t mt1,
-                         int64_t rows, int64_t k_tiles, const int8_t* packed, const float* sx,
-                         const float* sw, int64_t N, bool bf16, void* y, int64_t b0,
-                         int64_t b1) {
-  TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.rows[t] = t == 6 ? kTile : rows;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-  const int64_t width = k_tiles * kTileK;  // bytes per digit row
-  alignas(64) int32_t sums[kDigits][kTile * kTile];
-  for (int64_t b = b0; b < b1; ++b) {
-    const int8_t* block = packed + b * k_tiles * kTileBytes;
-    const int64_t n0 = b * kTile, cols = std::min(kTile, N - n0);
-    for (int64_t mt = mt0; mt < mt1; ++mt) {
-      const int8_t* tile_rows = digits + mt * kTile * width;
+constexpr int kBlocks = 3;  // weight blocks a pass runs side by side (tiles: 3 + 1 + 3)
+
+// Weight blocks [b0, b1) on one thread. The digits are a matrix of R = 3 M rows (row 3 m + d:
+// digit d of x's row m), so one tile holds the digits of up to 5 rows (a plain step's one
+// row is a 3-row tile, one product for its three digits). For kBlocks blocks at a time and
+// each 16-row tile of the digits: tmm0-2 the blocks' int32 sums, tmm3 the digits, tmm4-6
+// the blocks' weight tiles; the digits' tile is loaded once for the three blocks (a tile
+// load costs about a cycle per row here), and the three sums are independent chains.
+// Integer sums are exact, so the grouping changes no bit.
+AMX_TARGET void amx_pass(const int8_t* digits, int64_t M, int64_t k_tiles, const int8_t* packed,
+                         const float* sx, const float* sw, int64_t N, bool bf16, void* y,
+                         int64_t b0, int64_t b1, int32_t* sums) {
+  const int64_t R = kDigits * M, width = k_tiles * kTileK, block_bytes = k_tiles * kTileBytes;
+  int64_t configured = -1;
+  for (int64_t g = b0; g < b1; g += kBlocks) {
+    const int64_t nb = std::min<int64_t>(kBlocks, b1 - g);
+    for (int64_t r0 = 0; r0 < R; r0 += kTile) {
+      const int64_t rows = std::min<int64_t>(kTile, R - r0);
+      if (rows != configured) {  // sums and digits with just the rows they have
+        TileConfig config;
+        for (int t = 0; t < 7; ++t) {
+          config.rows[t] = t >= 4 ? kTile : rows;
+          config.colsb[t] = 64;
+        }
+        _tile_loadconfig(&config);
+        configured = rows;
+      }
+      const int8_t* tile_rows = digits + r0 * width;
+      const int8_t* block = packed + g * block_bytes;
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       for (int64_t k = 0; k < k_tiles; ++k) {
-        // The weight streams from memory: ask for the tile after next while this one works
-        // (measured +10% on a tile stream here).
-        const int8_t* ahead = block + (k + 2) * kTileBytes;
-        for (int line = 0; line < kTileBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-        _tile_loadd(6, block + k * kTileBytes, 64);
+        if (r0 == 0) {  // the weights stream from memory the first time: ask ahead
+          for (int64_t j = 0; j < nb; ++j) {
+            const int8_t* ahead = block + j * block_bytes + (k + 2) * kTileBytes;
+            for (int line = 0; line < kTileBytes; line += 64)
+              _mm_prefetch(ahead + line, _MM_HINT_T0);
+          }
+        }
         _tile_loadd(3, tile_rows + k * kTileK, width);
-        _tile_loadd(4, tile_rows + digit_stride + k * kTileK, width);
-        _tile_loadd(5, tile_rows + 2 * digit_stride + k * kTileK, width);
-        _tile_dpbssd(0, 3, 6);
-        _tile_dpbssd(1, 4, 6);
-        _tile_dpbssd(2, 5, 6);
+        _tile_loadd(4, block + k * kTileBytes, 64);
+        _tile_dpbssd(0, 3, 4);
+        if (nb > 1) {
+          _tile_loadd(5, block + block_bytes + k * kTileBytes, 64);
+          _tile_dpbssd(1, 3, 5);
+        }
+        if (nb > 2) {
+          _tile_loadd(6, block + 2 * block_bytes + k * kTileBytes, 64);
+          _tile_dpbssd(2, 3, 6);
+        }
       }
-      _tile_stored(0, sums[0], 64);
-      _tile_stored(1, sums[1], 64);
-      _tile_stored(2, sums[2], 64);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t m = mt * kTile + r;
-        for (int64_t j = 0; j < cols; ++j) {
-          const int64_t i = r * kTile + j;
-          const double whole = 65536.0 * sums[2][i] + 256.0 * sums[1][i] + double(sums[0][i]);
-          const float v = float(whole * double(sx[m]) * double(sw[n0 + j]));
+      // sums[j][r][col]: block j's digit-row r
+      _tile_stored(0, sums + r0 * kTile, 64);
+      if (nb > 1) _tile_stored(1, sums + (R + r0) * kTile, 64);
+      if (nb > 2) _tile_stored(2, sums + (2 * R + r0) * kTile, 64);
+    }
+    for (int64_t j = 0; j < nb; ++j) {
+      const int32_t* s = sums + j * R * kTile;
+      const int64_t n0 = (g + j) * kTile, cols = std::min(kTile, N - n0);
+      for (int64_t m = 0; m < M; ++m) {
+        const int32_t* d0 = s + (kDigits * m) * kTile;
+        for (int64_t c = 0; c < cols; ++c) {
+          const double whole =
+              65536.0 * d0[2 * kTile + c] + 256.0 * d0[kTile + c] + double(d0[c]);
+          const float v = float(whole * double(sx[m]) * double(sw[n0 + c]));
           if (bf16) {
-            static_cast<at::BFloat16*>(y)[m * N + n0 + j] = at::BFloat16(v);
+            static_cast<at::BFloat16*>(y)[m * N + n0 + c] = at::BFloat16(v);
           } else {
-            static_cast<float*>(y)[m * N + n0 + j] = v;
+            static_cast<float*>(y)[m * N + n0 + c] = v;
           }
         }
       }
@@ -108,12 +128,12 @@ AVX512_TARGET inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {  // 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// Row m of x as fixed point: its scale sx[m], and its digits at digits[d][m][k] (the
+// Row m of x as fixed point: its scale sx[m], and its digit d at digits[3 m + d][k] (the
 // buffer is zeroed beyond K). Every lane does what the reference does, in float32:
 // q = round_half_even(x / s).
 template <typename T>
 AVX512_TARGET void to_digits(const T* x, int64_t M, int64_t K, int64_t width,
-                             int64_t digit_stride, int8_t* digits, float* sx) {
+                             int8_t* digits, float* sx) {
   const __m512i half = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
   for (int64_t m = 0; m < M; ++m) {
     const T* row = x + m * K;
@@ -131,7 +151,7 @@ AVX512_TARGET void to_digits(const T* x, int64_t M, int64_t K, int64_t width,
       __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(load16(row + k, mask), step));
       for (int i = 0; i < kDigits; ++i) {
         const __m512i d = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, half), byte), half);
-        _mm_mask_storeu_epi8(digits + i * digit_stride + m * width + k, mask,
+        _mm_mask_storeu_epi8(digits + (kDigits * m + i) * width + k, mask,
                              _mm512_cvtepi32_epi8(d));
         q = _mm512_srai_epi32(_mm512_sub_epi32(q, d), 8);
       }
@@ -161,25 +181,24 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
   TORCH_CHECK(K <= k_tiles * kTileK && packed.size(0) * kTile >= N, "x and packed disagree");
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const int64_t width = k_tiles * kTileK, digit_stride = M * width;
-  static thread_local std::vector<int8_t> digits;  // [3][M][width], zeros past K
+  const int64_t width = k_tiles * kTileK, R = kDigits * M;
+  static thread_local std::vector<int8_t> digits;  // [M][3][width], zeros past K
   static thread_local std::vector<float> sx;
-  digits.assign(kDigits * digit_stride, 0);
+  digits.assign(R * width, 0);
   sx.resize(M);
   if (bf16) {
-    to_digits(x.data_ptr<at::BFloat16>(), M, K, width, digit_stride, digits.data(), sx.data());
+    to_digits(x.data_ptr<at::BFloat16>(), M, K, width, digits.data(), sx.data());
   } else {
-    to_digits(x.data_ptr<float>(), M, K, width, digit_stride, digits.data(), sx.data());
+    to_digits(x.data_ptr<float>(), M, K, width, digits.data(), sx.data());
   }
   const int8_t* dp = digits.data();
   const float* sxp = sx.data();
   const int8_t* pp = packed.data_ptr<int8_t>();
   const float* swp = scale.data_ptr<float>();
   void* yp = y.data_ptr();
-  const int64_t full = M / kTile, rest = M % kTile;  // whole 16-row tiles, then the rest
-  at::parallel_for(0, packed.size(0), 4, [&](int64_t b0, int64_t b1) {
-    if (full) amx_pass(dp, digit_stride, 0, full, kTile, k_tiles, pp, sxp, swp, N, bf16, yp, b0, b1);
-    if (rest) amx_pass(dp, digit_stride, full, full + 1, rest, k_tiles, pp, sxp, swp, N, bf16, yp, b0, b1);
+  at::parallel_for(0, packed.size(0), 2 * kBlocks, [&](int64_t b0, int64_t b1) {
+    std::vector<int32_t> sums(kBlocks * R * kTile);  // the int32 sums of a pass's blocks
+    amx_pass(dp, M, k_tiles, pp, sxp, swp, N, bf16, yp, b0, b1, sums.data());
   });
   return y;
 }
