@@ -70,7 +70,7 @@ def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return out.float().to(x.dtype)
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -115,7 +115,7 @@ def _wanted() -> str:
             raise ValueError(f"SPECINFER_INT8_KERNEL must be one of {', '.join(KERNELS)}; "
                              f"got {forced!r}")
         return forced
-    return "amx" if {"amx_tile", "amx_int8", "avx512bw", "avx512vl"} <= _cpu_flags() \
+    return "amx" if {"amx_tile", "amx_int8", "avx512bw", "avx512vl"} <= cpu_flags() \
         else "torch"
 
 

@@ -23,6 +23,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = sorted(str(p) for p in (Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted(str(p) for p in (Path(__file__).parent / "csrc").glob("*.h"))
 
 _ops = None
 _loaded = False
@@ -45,7 +46,8 @@ def library():
             # products and sums round one by one, as torch's elementwise operators do
             # One build per version of the sources: checkouts of other commits (a
             # benchmark's A/B worktree) keep theirs instead of rebuilding over each other.
-            digest = hashlib.sha256(b"".join(Path(p).read_bytes() for p in SOURCES))
+            digest = hashlib.sha256(b"".join(Path(p).read_bytes()
+                                             for p in SOURCES + HEADERS))
             load(name=f"specinfer_native_{digest.hexdigest()[:12]}", sources=SOURCES,
                  extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)

@@ -316,7 +316,8 @@ class LlamaRuntime:
     def _native_loop_args(self) -> dict | None:
         """The weights as the native decoder loop (``csrc/decoder_layers.cpp``) takes them,
         where every part of every layer is one it runs (our norms and attention, SiLU,
-        linears that are our int8 AMX or oneDNN's packed kernel, one for every row count);
+        linears that are our int8 or bfloat16 AMX kernels or oneDNN's packed one, one for
+        every row count);
         else None and the Python loop runs."""
         if self._native is None or not hasattr(self._native, "decoder_layers"):
             return None

@@ -84,6 +84,7 @@ def test_speculation_equals_its_own_plain_decoding(tiny_llama, hf_model, placeme
     if kernels == "torch":
         monkeypatch.setattr(native, "_loaded", True)
         monkeypatch.setattr(native, "_ops", None)
+        monkeypatch.setattr(linears, "_bf16_kernel", None)  # chosen again, without them
     engine = engine_in(tiny_llama, placement)
     assert (engine.executor.runtime._native is None) == (kernels == "torch")
     plain = [r.token_ids for r in generate_local(engine, prompts(), 40)]
@@ -93,12 +94,22 @@ def test_speculation_equals_its_own_plain_decoding(tiny_llama, hf_model, placeme
     assert sum(len(r.token_ids) - 1 for r in spec) > 1.5 * sum(r.steps for r in spec)
 
 
-@pytest.mark.parametrize("placement", [resolve("cpu", "bfloat16"),
-                                       resolve("cpu", quantize="int8")],
-                         ids=["bfloat16", "int8"])
-def test_rows_do_not_depend_on_the_batch(placement):
+def bf16_kernel_is(monkeypatch, kernel: str | None) -> None:
+    """Have ``linears.build`` use this bfloat16 kernel (None: the process's choice); skip
+    where it is ours and this CPU cannot run it."""
+    if kernel == "amx" and linears.bfloat16_kernel() != "amx":
+        pytest.skip("this CPU has no AMX bfloat16 (or the kernels could not be built)")
+    if kernel is not None:
+        monkeypatch.setattr(linears, "_bf16_kernel", kernel)
+
+
+@pytest.mark.parametrize("placement,bf16_kernel", [
+    (resolve("cpu", "bfloat16"), "amx"), (resolve("cpu", "bfloat16"), "onednn"),
+    (resolve("cpu", quantize="int8"), None)], ids=["bfloat16-amx", "bfloat16-onednn", "int8"])
+def test_rows_do_not_depend_on_the_batch(placement, bf16_kernel, monkeypatch):
     """The kernels themselves, at reduction lengths on both sides of INVARIANT_K and at
     row counts on both sides of AMX_ROWS (oneDNN's AMX kernels block rows in 32s)."""
+    bf16_kernel_is(monkeypatch, bf16_kernel)
     gen = torch.Generator().manual_seed(0)
     for k in (64, 1536, 2304):
         module = torch.nn.Linear(k, 96, bias=False)
@@ -176,6 +187,21 @@ def test_int8_probe_keeps_torchs_kernel_where_ours_disagrees(monkeypatch):
     assert int8.chosen(torch.bfloat16) == "torch"
 
 
+def test_bf16_probe_keeps_onednn_where_ours_disagrees(monkeypatch):
+    """Our bfloat16 AMX kernel, perturbed by the row count, fails the probe; the process
+    then runs oneDNN's kernels."""
+    bf16_kernel_is(monkeypatch, "amx")
+    real = linears.AmxBf16Linear.__call__
+
+    def batch_dependent(self, x):
+        out = real(self, x)
+        return out if x.shape[0] == 1 else out * (1 + 2 ** -6)
+
+    monkeypatch.setattr(linears.AmxBf16Linear, "__call__", batch_dependent)
+    monkeypatch.setattr(linears, "_bf16_kernel", None)
+    assert linears.bfloat16_kernel() == "onednn"
+
+
 def _native_attention_case(ops, head_dim: int, gen: torch.Generator):
     """One tree of 12 nodes after a 40-key prefix through the native attention in one
     call, and each node again as plain decoding computes it (its ancestors written one by
@@ -241,19 +267,22 @@ def test_native_attention_rows_stand_alone_and_stay_close(head_dim):
     assert float(error) <= 1e-5, float(error)
 
 
-@pytest.mark.parametrize("placement", [resolve("cpu", "bfloat16"),
-                                       resolve("cpu", quantize="int8")],
-                         ids=["bfloat16", "int8"])
-def test_native_decoder_loop_gives_the_python_loops_bits(tiny_llama, placement):
+@pytest.mark.parametrize("placement,bf16_kernel", [
+    (resolve("cpu", "bfloat16"), "amx"), (resolve("cpu", "bfloat16"), "onednn"),
+    (resolve("cpu", quantize="int8"), None)], ids=["bfloat16-amx", "bfloat16-onednn", "int8"])
+def test_native_decoder_loop_gives_the_python_loops_bits(tiny_llama, placement, bf16_kernel,
+                                                          monkeypatch):
     """The layers in one native call: the same logits and KV cache as the runtime's Python
     loop over the same operators, bit for bit, for a plain row, a tree, two trees of
-    different lengths in one batch (packed), and a plain row beside a tree in one pass."""
+    different lengths in one batch (packed), and a plain row beside a tree in one pass;
+    with each kind of linear the loop calls."""
     if native.library() is None:
         pytest.skip("the native kernels could not be built")
+    bf16_kernel_is(monkeypatch, bf16_kernel)
     engine = engine_in(tiny_llama, placement)
     runtime, executor = engine.executor.runtime, engine.executor
     if int8.chosen(torch.bfloat16) != "amx" and placement.quantize == "int8" or \
-            linears.bfloat16_plan().k_part:
+            bf16_kernel == "onednn" and linears.bfloat16_plan().k_part:
         assert runtime._native_loop is None  # torch's int8 kernel, or cut reductions
         pytest.skip("this CPU's kernels are not ones the native loop calls")
     gen = torch.Generator().manual_seed(0)
@@ -470,6 +499,7 @@ def test_bfloat16_rows_run_alone_where_no_batching_rule_holds(monkeypatch):
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", batch_dependent)
     monkeypatch.setattr(linears, "_plan", None)
+    bf16_kernel_is(monkeypatch, "onednn")
     assert linears.bfloat16_plan() == linears.Plan(0, 1)
     module = torch.nn.Linear(1536, 64, bias=False)
     linear = linears.build([module], resolve("cpu", "bfloat16"))

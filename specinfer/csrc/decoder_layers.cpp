@@ -3,11 +3,12 @@
 // Python loop (LlamaRuntime._layers), so the same bits, without a Python frame and a
 // dozen view and reshape operators around each of them (~1,700 operators a step in
 // Python, ~14 a layer here). It runs only where every part is native: the norms and
-// attention of this library, and linears that are this library's int8 AMX kernel or
-// oneDNN's packed bfloat16 kernel.
+// attention of this library, and linears that are this library's int8 or bfloat16 AMX
+// kernels or oneDNN's packed bfloat16 kernel.
 //
 // Each layer i has four linears, qkv, o, gate_up, down, at index 4 i + j of the lists:
-//   weights[l]  the int8 AMX tiles (kind 1) or oneDNN's packed weight (kind 2)
+//   weights[l]  the int8 AMX tiles (kind 1), oneDNN's packed weight (kind 2) or the
+//               bfloat16 AMX tiles (kind 3)
 //   scales[l]   int8: the per-output scale; biases[l]: None or [out]
 //   outs[l]     output width; rows[l]: rows a oneDNN call takes at most (0: all)
 // norms[2 i], norms[2 i + 1]: the layer's RMSNorm weights (float32), epsilon eps.
@@ -26,6 +27,8 @@
 
 at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
                       int64_t N);
+at::Tensor bf16_amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
+                           const c10::optional<at::Tensor>& bias_in, int64_t N);
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps);
 at::Tensor attention(const at::Tensor& heads_in, const at::Tensor& cos_in,
                      const at::Tensor& sin_in, at::Tensor cache_k, at::Tensor cache_v,
@@ -36,7 +39,7 @@ at::Tensor attention(const at::Tensor& heads_in, const at::Tensor& cos_in,
 namespace {
 
 using OptionalTensors = c10::List<std::optional<at::Tensor>>;
-constexpr int64_t kInt8Amx = 1, kPackedOneDnn = 2;
+constexpr int64_t kInt8Amx = 1, kPackedOneDnn = 2, kBf16Amx = 3;
 
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias) {
@@ -68,6 +71,9 @@ struct Linears {
       RECORD_FUNCTION("specinfer::int8_amx_linear", c10::ArrayRef<c10::IValue>{});
       y = amx_linear(flat, weights[l], *scales.get(l), outs[l]);
       if (bias.has_value()) y = y + *bias;
+    } else if (kinds[l] == kBf16Amx) {
+      RECORD_FUNCTION("specinfer::bf16_amx_linear", c10::ArrayRef<c10::IValue>{});
+      y = bf16_amx_linear(flat, weights[l], bias, outs[l]);
     } else if (rows[l] == 0 || n <= rows[l]) {
       y = onednn_linear(flat, weights[l], bias);
     } else {  // at most rows[l] rows a call (specinfer.linears.bfloat16_plan)
@@ -115,8 +121,9 @@ at::Tensor decoder_layers(at::Tensor hidden, const std::vector<at::Tensor>& weig
               "every part's tables");
   TORCH_CHECK(cache_k.size(0) == layers && cache_v.size(0) == layers, "a cache per layer");
   for (int64_t l = 0; l < 4 * layers; ++l)
-    TORCH_CHECK(kinds[l] == kInt8Amx ? scales.get(l).has_value() : kinds[l] == kPackedOneDnn,
-                "linear ", l, ": kind 1 (int8 AMX, with its scale) or 2 (oneDNN)");
+    TORCH_CHECK(kinds[l] == kInt8Amx ? scales.get(l).has_value()
+                                     : kinds[l] == kPackedOneDnn || kinds[l] == kBf16Amx,
+                "linear ", l, ": kind 1 (int8 AMX, with its scale), 2 (oneDNN) or 3 (bf16 AMX)");
   const Linears linear{weights, scales, biases, kinds, outs, rows};
   // Each part's queries in hidden (one part: all of them).
   std::vector<int64_t> bounds{0};

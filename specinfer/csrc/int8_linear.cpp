@@ -21,7 +21,8 @@
 #include <cstdint>
 #include <vector>
 
-#define AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
+#include "amx.h"
+
 
 namespace {
 
@@ -31,13 +32,6 @@ constexpr int64_t kTileBytes = kTile * kTileK;
 constexpr int kDigits = 3;
 constexpr float kFixedMax = 8257536.0f;  // 2^23 - 2^17: the top digit stays in [-128, 127]
 
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 constexpr int kBlocks = 3;  // weight blocks a pass runs side by side (tiles: 3 + 1 + 3)
 

@@ -1,0 +1,131 @@
+// bfloat16 linears on AMX (TDPBF16PS) whose rows are batch-invariant: the hardware computes
+// each output element from its row of x, its column of the weight and the k order alone, and
+// this kernel's k order (tile after tile, 32 k a tile) does not change with the number of
+// rows, so a row gets the same bits alone or with others (specinfer/bfloat16.py probes that
+// before use). The weight streams from memory into the tiles once per call, and for up to 16
+// rows a call costs about what one row does: oneDNN's kernels, which change their blocking
+// with the row count, are what the bfloat16 format otherwise uses.
+//
+//   x      [M, K] bfloat16
+//   packed [ceil(N/16), ceil(K/32), 16, 16, 2] bfloat16: B tiles, row p of tile (b, t)
+//          holding the pairs k = 32t + 2p, 32t + 2p + 1 of the 16 columns of block b
+//   bias   None or [N] float32, added in float32 before the output's rounding
+// returns  [M, N] bfloat16.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "amx.h"
+
+namespace {
+
+constexpr int64_t kTile = 16;       // rows of a tile; columns of a weight block
+constexpr int64_t kTileK = 32;      // bfloat16 k per tile row
+constexpr int64_t kTileBytes = 1024;
+constexpr int64_t kBlocks = 3;      // weight blocks a pass runs side by side
+
+// Weight blocks [b0, b1) on one thread: for three blocks at a time and each 16-row tile of
+// x, tmm0-2 the blocks' float32 sums, tmm3 x's rows, tmm4-6 the blocks' weight tiles.
+AMX_TARGET void bf16_pass(const at::BFloat16* x, int64_t M, int64_t stride, int64_t k_tiles,
+                          const at::BFloat16* packed, const float* bias, int64_t N,
+                          at::BFloat16* y, int64_t b0, int64_t b1, float* sums) {
+  const int64_t block_bytes = k_tiles * kTileBytes;
+  const char* weights = reinterpret_cast<const char*>(packed);
+  int64_t configured = -1;
+  for (int64_t g = b0; g < b1; g += kBlocks) {
+    const int64_t nb = std::min<int64_t>(kBlocks, b1 - g);
+    const char* block = weights + g * block_bytes;
+    for (int64_t r0 = 0; r0 < M; r0 += kTile) {
+      const int64_t rows = std::min<int64_t>(kTile, M - r0);
+      if (rows != configured) {
+        TileConfig config;
+        for (int t = 0; t < 7; ++t) {
+          config.rows[t] = t >= 4 ? kTile : rows;
+          config.colsb[t] = 64;
+        }
+        _tile_loadconfig(&config);
+        configured = rows;
+      }
+      const at::BFloat16* tile_rows = x + r0 * stride;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      for (int64_t k = 0; k < k_tiles; ++k) {
+        if (r0 == 0) {  // the weights stream from memory the first time: ask ahead
+          for (int64_t j = 0; j < nb; ++j) {
+            const char* ahead = block + j * block_bytes + (k + 2) * kTileBytes;
+            for (int line = 0; line < kTileBytes; line += 64)
+              _mm_prefetch(ahead + line, _MM_HINT_T0);
+          }
+        }
+        _tile_loadd(3, tile_rows + k * kTileK, stride * 2);
+        _tile_loadd(4, block + k * kTileBytes, 64);
+        _tile_dpbf16ps(0, 3, 4);
+        if (nb > 1) {
+          _tile_loadd(5, block + block_bytes + k * kTileBytes, 64);
+          _tile_dpbf16ps(1, 3, 5);
+        }
+        if (nb > 2) {
+          _tile_loadd(6, block + 2 * block_bytes + k * kTileBytes, 64);
+          _tile_dpbf16ps(2, 3, 6);
+        }
+      }
+      _tile_stored(0, sums, 64);
+      if (nb > 1) _tile_stored(1, sums + kTile * kTile, 64);
+      if (nb > 2) _tile_stored(2, sums + 2 * kTile * kTile, 64);
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t n0 = (g + j) * kTile, cols = std::min(kTile, N - n0);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c) {
+            float v = sums[(j * kTile + r) * kTile + c];
+            if (bias != nullptr) v += bias[n0 + c];
+            y[(r0 + r) * N + n0 + c] = at::BFloat16(v);
+          }
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+at::Tensor bf16_amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
+                           const c10::optional<at::Tensor>& bias_in, int64_t N) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x: [rows, in] bfloat16");
+  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous() && packed.size(0) * kTile >= N,
+              "packed: bfloat16 B tiles");
+  const int64_t M = x_in.size(0), K = x_in.size(1), k_tiles = packed.size(1);
+  TORCH_CHECK(K <= k_tiles * kTileK, "x and packed disagree");
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    bias = bias_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias.numel() == N, "bias: [out]");
+  }
+  // x's rows as AMX reads them: contiguous, zero-padded to whole tiles of k
+  const auto x = K == k_tiles * kTileK
+      ? x_in.contiguous()
+      : at::constant_pad_nd(x_in, {0, k_tiles * kTileK - K}).contiguous();
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  const auto* pp = packed.data_ptr<at::BFloat16>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t stride = x.size(1);
+  at::parallel_for(0, packed.size(0), 2 * kBlocks, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sums(kBlocks * kTile * kTile);
+    bf16_pass(xp, M, stride, k_tiles, pp, bp, N, yp, b0, b1, sums.data());
+  });
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(specinfer, m) {
+  m.def("bf16_amx_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor",
+        &bf16_amx_linear);
+}
