@@ -317,8 +317,7 @@ class LlamaRuntime:
         """The weights as the native decoder loop (``csrc/decoder_layers.cpp``) takes them,
         where every part of every layer is one it runs (our norms and attention, SiLU,
         linears that are our int8 or bfloat16 AMX kernels or oneDNN's packed one, one for
-        every row count);
-        else None and the Python loop runs."""
+        every row count); else None and the Python loop runs."""
         if self._native is None or not hasattr(self._native, "decoder_layers"):
             return None
         forms = [getattr(lin, "native", None) for p in self.proj
@@ -369,6 +368,7 @@ class LlamaRuntime:
         return hidden
 
     def _native_layers(self, hidden: torch.Tensor, parts: list[_Rows]) -> torch.Tensor:
+        """``_layers`` as one native call: each part's tables, each layer's mask."""
         masks = [rows.window_masks.get(w, rows.mask) for rows in parts for w in self.windows]
         return self._native.decoder_layers(
             hidden, **self._native_loop, cos=[r.cos for r in parts], sin=[r.sin for r in parts],
