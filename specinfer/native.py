@@ -1,9 +1,10 @@
 """The project's own CPU kernels (``specinfer/csrc/*.cpp``), built on first use.
 
-torch compiles them with the machine's C++ compiler (about 17 s on 2 cores, once per
+torch compiles them with the machine's C++ compiler (about 27 s on 2 cores, once per
 version of the sources, cached under ``TORCH_EXTENSIONS_DIR``) and registers them as
-``torch.ops.specinfer.*``: the int8 AMX linear (``specinfer.int8``), and the
-batch-invariant formats' attention and RMSNorm (``specinfer.runtime``, ``specinfer.layers``).
+``torch.ops.specinfer.*``: the int8 and bfloat16 AMX linears (``specinfer.int8``,
+``specinfer.linears``), and the batch-invariant formats' attention, RMSNorm and decoder
+loop (``specinfer.runtime``, ``specinfer.layers``).
 Where they cannot be built (no compiler, as in the container image) every caller runs
 torch's operators instead, exact within the format too, slower.
 """
