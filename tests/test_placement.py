@@ -75,7 +75,8 @@ def test_float32_greedy_equals_transformers(tiny_llama, hf_model):
 
 @pytest.mark.parametrize("placement,kernels", [
     (resolve("cpu", "bfloat16"), "native"), (resolve("cpu", quantize="int8"), "native"),
-    (resolve("cpu", "bfloat16"), "torch")], ids=["bfloat16", "int8", "bfloat16-torch-ops"])
+    (resolve("cpu", "bfloat16"), "torch"), (resolve("cpu", quantize="int8"), "torch")],
+    ids=["bfloat16", "int8", "bfloat16-torch-ops", "int8-torch-ops"])
 def test_speculation_equals_its_own_plain_decoding(tiny_llama, hf_model, placement, kernels,
                                                     monkeypatch):
     """Batch-invariant kernels: a row's bits do not depend on the rows beside it, so trees,
@@ -85,6 +86,7 @@ def test_speculation_equals_its_own_plain_decoding(tiny_llama, hf_model, placeme
         monkeypatch.setattr(native, "_loaded", True)
         monkeypatch.setattr(native, "_ops", None)
         monkeypatch.setattr(linears, "_bf16_kernel", None)  # chosen again, without them
+        monkeypatch.setattr(int8, "_chosen", {})
     engine = engine_in(tiny_llama, placement)
     assert (engine.executor.runtime._native is None) == (kernels == "torch")
     plain = [r.token_ids for r in generate_local(engine, prompts(), 40)]
