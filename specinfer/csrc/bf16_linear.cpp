@@ -24,10 +24,10 @@
 
 namespace {
 
-constexpr int64_t kTile = 16;       // rows of a tile; columns of a weight block
-constexpr int64_t kTileK = 32;      // bfloat16 k per tile row
-constexpr int64_t kTileBytes = 1024;
-constexpr int64_t kBlocks = 3;      // weight blocks a pass runs side by side
+using amx::kBlocks;
+using amx::kTile;
+using amx::kTileBytes;
+constexpr int64_t kTileK = 32;  // bfloat16 k per tile row
 
 // Weight blocks [b0, b1) on one thread: for three blocks at a time and each 16-row tile of
 // x, tmm0-2 the blocks' float32 sums, tmm3 x's rows, tmm4-6 the blocks' weight tiles.
@@ -42,39 +42,9 @@ AMX_TARGET void bf16_pass(const at::BFloat16* x, int64_t M, int64_t stride, int6
     const char* block = weights + g * block_bytes;
     for (int64_t r0 = 0; r0 < M; r0 += kTile) {
       const int64_t rows = std::min<int64_t>(kTile, M - r0);
-      if (rows != configured) {
-        TileConfig config;
-        for (int t = 0; t < 7; ++t) {
-          config.rows[t] = t >= 4 ? kTile : rows;
-          config.colsb[t] = 64;
-        }
-        _tile_loadconfig(&config);
-        configured = rows;
-      }
-      const at::BFloat16* tile_rows = x + r0 * stride;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      for (int64_t k = 0; k < k_tiles; ++k) {
-        if (r0 == 0) {  // the weights stream from memory the first time: ask ahead
-          for (int64_t j = 0; j < nb; ++j) {
-            const char* ahead = block + j * block_bytes + (k + 2) * kTileBytes;
-            for (int line = 0; line < kTileBytes; line += 64)
-              _mm_prefetch(ahead + line, _MM_HINT_T0);
-          }
-        }
-        _tile_loadd(3, tile_rows + k * kTileK, stride * 2);
-        _tile_loadd(4, block + k * kTileBytes, 64);
-        _tile_dpbf16ps(0, 3, 4);
-        if (nb > 1) {
-          _tile_loadd(5, block + block_bytes + k * kTileBytes, 64);
-          _tile_dpbf16ps(1, 3, 5);
-        }
-        if (nb > 2) {
-          _tile_loadd(6, block + 2 * block_bytes + k * kTileBytes, 64);
-          _tile_dpbf16ps(2, 3, 6);
-        }
-      }
+      amx::configure(rows, configured);
+      amx::accumulate<true>(reinterpret_cast<const char*>(x + r0 * stride), stride * 2, block,
+                            block_bytes, nb, k_tiles, r0 == 0);
       _tile_stored(0, sums, 64);
       if (nb > 1) _tile_stored(1, sums + kTile * kTile, 64);
       if (nb > 2) _tile_stored(2, sums + 2 * kTile * kTile, 64);

@@ -26,14 +26,12 @@
 
 namespace {
 
-constexpr int64_t kTile = 16;    // rows of a tile: x rows, k quads of the weight
+using amx::kBlocks;
+using amx::kTile;
+using amx::kTileBytes;
 constexpr int64_t kTileK = 64;   // int8 k per tile row
-constexpr int64_t kTileBytes = kTile * kTileK;
 constexpr int kDigits = 3;
 constexpr float kFixedMax = 8257536.0f;  // 2^23 - 2^17: the top digit stays in [-128, 127]
-
-
-constexpr int kBlocks = 3;  // weight blocks a pass runs side by side (tiles: 3 + 1 + 3)
 
 // Weight blocks [b0, b1) on one thread. The digits are a matrix of R = 3 M rows (row 3 m + d:
 // digit d of x's row m), so one tile holds the digits of up to 5 rows (a plain step's one
@@ -51,40 +49,10 @@ AMX_TARGET void amx_pass(const int8_t* digits, int64_t M, int64_t k_tiles, const
     const int64_t nb = std::min<int64_t>(kBlocks, b1 - g);
     for (int64_t r0 = 0; r0 < R; r0 += kTile) {
       const int64_t rows = std::min<int64_t>(kTile, R - r0);
-      if (rows != configured) {  // sums and digits with just the rows they have
-        TileConfig config;
-        for (int t = 0; t < 7; ++t) {
-          config.rows[t] = t >= 4 ? kTile : rows;
-          config.colsb[t] = 64;
-        }
-        _tile_loadconfig(&config);
-        configured = rows;
-      }
-      const int8_t* tile_rows = digits + r0 * width;
-      const int8_t* block = packed + g * block_bytes;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      for (int64_t k = 0; k < k_tiles; ++k) {
-        if (r0 == 0) {  // the weights stream from memory the first time: ask ahead
-          for (int64_t j = 0; j < nb; ++j) {
-            const int8_t* ahead = block + j * block_bytes + (k + 2) * kTileBytes;
-            for (int line = 0; line < kTileBytes; line += 64)
-              _mm_prefetch(ahead + line, _MM_HINT_T0);
-          }
-        }
-        _tile_loadd(3, tile_rows + k * kTileK, width);
-        _tile_loadd(4, block + k * kTileBytes, 64);
-        _tile_dpbssd(0, 3, 4);
-        if (nb > 1) {
-          _tile_loadd(5, block + block_bytes + k * kTileBytes, 64);
-          _tile_dpbssd(1, 3, 5);
-        }
-        if (nb > 2) {
-          _tile_loadd(6, block + 2 * block_bytes + k * kTileBytes, 64);
-          _tile_dpbssd(2, 3, 6);
-        }
-      }
+      amx::configure(rows, configured);
+      const char* block = reinterpret_cast<const char*>(packed + g * block_bytes);
+      amx::accumulate<false>(reinterpret_cast<const char*>(digits + r0 * width), width, block,
+                             block_bytes, nb, k_tiles, r0 == 0);
       // sums[j][r][col]: block j's digit-row r
       _tile_stored(0, sums + r0 * kTile, 64);
       if (nb > 1) _tile_stored(1, sums + (R + r0) * kTile, 64);
