@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -70,15 +69,6 @@ def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return out.float().to(x.dtype)
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
 class AmxLinear:
     """``x @ weight.T (+ bias)`` by our AMX kernel; its tiles and scales are what the
     native decoder loop (``csrc/decoder_layers.cpp``) calls it with."""
@@ -115,7 +105,7 @@ def _wanted() -> str:
             raise ValueError(f"SPECINFER_INT8_KERNEL must be one of {', '.join(KERNELS)}; "
                              f"got {forced!r}")
         return forced
-    return "amx" if {"amx_tile", "amx_int8", "avx512bw", "avx512vl"} <= cpu_flags() \
+    return "amx" if {"amx_tile", "amx_int8", "avx512bw", "avx512vl"} <= native.cpu_flags() \
         else "torch"
 
 

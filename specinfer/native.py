@@ -59,3 +59,13 @@ def library():
             log.warning("native kernels unavailable, using torch's operators",
                         extra={"error": str(exc)[:200]})
     return _ops
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``): which of our kernels may run here."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
