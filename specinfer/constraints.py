@@ -66,7 +66,13 @@ class Constraint:
         if self.kind == "json_object":
             return _json_grammar({"type": "object"})
         if self.kind == "json_schema":
-            return _json_grammar(_schema(self.spec, f"{field}.json_schema"))
+            try:
+                return _json_grammar(_schema(self.spec, f"{field}.json_schema"))
+            except ValueError as exc:  # llguidance refuses the schema (InvalidConstraint
+                if isinstance(exc, InvalidConstraint):  # is a ValueError too: as it is)
+                    raise
+                raise InvalidConstraint(f"{field}.json_schema: {_first_line(str(exc))}") \
+                    from None
         if self.kind == "regex":
             if not self.spec:
                 raise InvalidConstraint(f"{field}.regex: empty")
@@ -133,6 +139,10 @@ def _schema(text: str, field: str) -> dict | bool:
 
 
 def _json_grammar(schema: dict | bool) -> str:
+    if schema is False:
+        raise ValueError("the schema false admits no output")
+    if schema is True:  # llguidance's options apply to object schemas only
+        schema = {}
     return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
                                                          defaults=JSON_OPTIONS)
 

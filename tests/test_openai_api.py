@@ -53,6 +53,8 @@ def stack(processes, tiny_chat_llm):
      "response_format.schema"),
     (b'{"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": '
      b'{"name": "x", "schema": {"type": "strange"}}}}', "response_format.json_schema.schema"),
+    (b'{"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": '
+     b'{"name": "x", "schema": false}}}', "response_format.json_schema.schema"),
     (b'{"prompt": "hi", "response_format": {"type": "json_object"}, "guided_regex": "a+"}',
      "guided_regex"),
     (b'{"prompt": "hi", "guided_choice": []}', "guided_choice"),
