@@ -122,7 +122,8 @@ def bfloat16_kernel() -> str:
             raise ValueError(f"SPECINFER_BF16_KERNEL must be one of {', '.join(BF16_KERNELS)}; "
                              f"got {forced!r}")
         _bf16_kernel = "onednn"
-        if forced != "onednn" and {"amx_tile", "amx_bf16"} <= native.cpu_flags():
+        wanted = {"amx_tile", "amx_bf16", "avx512bw", "avx512vl"}
+        if forced != "onednn" and wanted <= native.cpu_flags():
             ops = native.library()
             if ops is not None and ops.amx_enable() and _bf16_amx_agrees():
                 _bf16_kernel = "amx"

@@ -4,9 +4,13 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-int8,amx-bf16")))
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define AMX_AVX512_TARGET \
+  __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl")))
 
 namespace amx {
 
@@ -22,18 +26,36 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tmm0-2 (the sums) and tmm3 (x's rows) with just `rows` rows (a tile load costs about a
-// cycle per row here), tmm4-6 (weight tiles) with 16; only when `rows` changes.
-AMX_TARGET inline void configure(int64_t rows, int64_t& configured) {
-  if (rows == configured) return;
+// Tile t gets rows[t] rows of 64 bytes (a tile load costs about a cycle per row here, so
+// tiles are configured with just the rows a call has); loaded only when a shape changes.
+AMX_TARGET inline void configure(const uint8_t (&rows)[8], uint64_t& configured) {
+  uint64_t key = 0;
+  for (int t = 0; t < 8; ++t) key |= uint64_t(rows[t]) << (8 * t);
+  if (key == configured) return;
   TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.rows[t] = t >= 4 ? kTile : rows;
-    config.colsb[t] = 64;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = rows[t];
+    config.colsb[t] = rows[t] ? 64 : 0;
   }
   _tile_loadconfig(&config);
-  configured = rows;
+  configured = key;
 }
+
+// The layout of accumulate: tmm0-2 (the sums) and tmm3 (x's rows) with `rows` rows, tmm4-6
+// (weight tiles) with 16.
+AMX_TARGET inline void configure(int64_t rows, uint64_t& configured) {
+  const uint8_t r = uint8_t(rows);
+  const uint8_t shape[8] = {r, r, r, r, kTile, kTile, kTile, 0};
+  configure(shape, configured);
+}
+
+// tmm sum += tmm x . tmm w (GCC's tile intrinsics paste their register numbers into the
+// assembly text, so they must be literals: a macro, not a template)
+#define AMX_PRODUCT(sum, x, w)                       \
+  do {                                               \
+    if constexpr (kBf16) _tile_dpbf16ps(sum, x, w);  \
+    else _tile_dpbssd(sum, x, w);                    \
+  } while (0)
 
 // tmm0..nb-1 = x's tile (64 bytes of k a tile, rows `stride` bytes apart) times weight
 // blocks block, block + block_bytes, ... (k_tiles tiles each), k tile after tile: int8
@@ -55,16 +77,33 @@ AMX_TARGET inline void accumulate(const char* x, int64_t stride, const char* blo
     }
     _tile_loadd(3, x + k * 64, stride);
     _tile_loadd(4, block + k * kTileBytes, 64);
-    if constexpr (kBf16) _tile_dpbf16ps(0, 3, 4); else _tile_dpbssd(0, 3, 4);
+    AMX_PRODUCT(0, 3, 4);
     if (nb > 1) {
       _tile_loadd(5, block + block_bytes + k * kTileBytes, 64);
-      if constexpr (kBf16) _tile_dpbf16ps(1, 3, 5); else _tile_dpbssd(1, 3, 5);
+      AMX_PRODUCT(1, 3, 5);
     }
     if (nb > 2) {
       _tile_loadd(6, block + 2 * block_bytes + k * kTileBytes, 64);
-      if constexpr (kBf16) _tile_dpbf16ps(2, 3, 6); else _tile_dpbssd(2, 3, 6);
+      AMX_PRODUCT(2, 3, 6);
     }
   }
+}
+
+// 16 float32 outputs (the `cols` lanes) stored as float32, or as bfloat16 rounded as
+// at::BFloat16 rounds (to nearest even; NaN to 0x7FC0).
+AVX512_TARGET inline void store_row(__m512 v, __mmask16 cols, bool bf16, void* out) {
+  if (!bf16) {
+    _mm512_mask_storeu_ps(out, cols, v);
+    return;
+  }
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(
+      _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+      _mm512_set1_epi32(0x7FFF));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                  _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(out, cols, _mm512_cvtepi32_epi16(rounded));
 }
 
 }  // namespace amx

@@ -31,12 +31,12 @@ constexpr int64_t kTileK = 32;  // bfloat16 k per tile row
 
 // Weight blocks [b0, b1) on one thread: for three blocks at a time and each 16-row tile of
 // x, tmm0-2 the blocks' float32 sums, tmm3 x's rows, tmm4-6 the blocks' weight tiles.
-AMX_TARGET void bf16_pass(const at::BFloat16* x, int64_t M, int64_t stride, int64_t k_tiles,
+AMX_AVX512_TARGET void bf16_pass(const at::BFloat16* x, int64_t M, int64_t stride, int64_t k_tiles,
                           const at::BFloat16* packed, const float* bias, int64_t N,
                           at::BFloat16* y, int64_t b0, int64_t b1, float* sums) {
   const int64_t block_bytes = k_tiles * kTileBytes;
   const char* weights = reinterpret_cast<const char*>(packed);
-  int64_t configured = -1;
+  uint64_t configured = 0;
   for (int64_t g = b0; g < b1; g += kBlocks) {
     const int64_t nb = std::min<int64_t>(kBlocks, b1 - g);
     const char* block = weights + g * block_bytes;
@@ -49,13 +49,16 @@ AMX_TARGET void bf16_pass(const at::BFloat16* x, int64_t M, int64_t stride, int6
       if (nb > 1) _tile_stored(1, sums + kTile * kTile, 64);
       if (nb > 2) _tile_stored(2, sums + 2 * kTile * kTile, 64);
       for (int64_t j = 0; j < nb; ++j) {
-        const int64_t n0 = (g + j) * kTile, cols = std::min(kTile, N - n0);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t c = 0; c < cols; ++c) {
-            float v = sums[(j * kTile + r) * kTile + c];
-            if (bias != nullptr) v += bias[n0 + c];
-            y[(r0 + r) * N + n0 + c] = at::BFloat16(v);
-          }
+        const int64_t n0 = (g + j) * kTile;
+        const __mmask16 cols = N - n0 >= kTile ? __mmask16(0xFFFF)
+                                               : __mmask16((1u << (N - n0)) - 1);
+        const __m512 b = bias == nullptr ? _mm512_setzero_ps()
+                                         : _mm512_maskz_loadu_ps(cols, bias + n0);
+        for (int64_t r = 0; r < rows; ++r) {
+          __m512 v = _mm512_loadu_ps(sums + (j * kTile + r) * kTile);
+          if (bias != nullptr) v = _mm512_add_ps(v, b);  // float32, before the rounding
+          amx::store_row(v, cols, true, y + (r0 + r) * N + n0);
+        }
       }
     }
   }

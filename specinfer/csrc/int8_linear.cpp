@@ -33,6 +33,42 @@ constexpr int64_t kTileK = 64;   // int8 k per tile row
 constexpr int kDigits = 3;
 constexpr float kFixedMax = 8257536.0f;  // 2^23 - 2^17: the top digit stays in [-128, 127]
 
+
+// One row's 16 columns of a block from its three digits' int32 sums (d[0..15] digit 0,
+// d[16..31] digit 1, d[32..47] digit 2): y = float((65536 S2 + 256 S1 + S0) * sx * sw[c]),
+// in double, 8 lanes at a time. The whole is an exact integer below 2^53, so it is the
+// same however it is summed; the two products and the conversions round as the scalar
+// expression does (and as int8.reference does).
+AVX512_TARGET inline void combine(const int32_t* d, float sx, const float* sw, __mmask16 cols,
+                                  bool bf16, char* out) {
+  const __m512d row_scale = _mm512_set1_pd(double(sx));
+  __m256 half[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m512d s0 = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(d + 8 * h)));
+    const __m512d s1 = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(d + 16 + 8 * h)));
+    const __m512d s2 = _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(d + 32 + 8 * h)));
+    const __m512d whole = _mm512_add_pd(
+        _mm512_add_pd(_mm512_mul_pd(_mm512_set1_pd(65536.0), s2),
+                      _mm512_mul_pd(_mm512_set1_pd(256.0), s1)), s0);
+    const __mmask8 lanes = __mmask8(cols >> (8 * h));
+    const __m512d col_scale = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(lanes, sw + 8 * h));
+    half[h] = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(whole, row_scale), col_scale));
+  }
+  const __m512 v = _mm512_castpd_ps(_mm512_insertf64x4(
+      _mm512_castps_pd(_mm512_castps256_ps512(half[0])), _mm256_castps_pd(half[1]), 1));
+  amx::store_row(v, cols, bf16, out);
+}
+
+// Every row's 16 columns n0.. of a block from its digits' sums (sums[r][col], digit-row r).
+AVX512_TARGET inline void combine_rows(const int32_t* sums, int64_t M, int64_t n0,
+                                       const float* sx, const float* sw, int64_t N, bool bf16,
+                                       void* y) {
+  const __mmask16 cols = N - n0 >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
+  for (int64_t m = 0; m < M; ++m)
+    combine(sums + kDigits * m * kTile, sx[m], sw + n0, cols, bf16,
+            static_cast<char*>(y) + (m * N + n0) * (bf16 ? 2 : 4));
+}
+
 // Weight blocks [b0, b1) on one thread. The digits are a matrix of R = 3 M rows (row 3 m + d:
 // digit d of x's row m), so one tile holds the digits of up to 5 rows (a plain step's one
 // row is a 3-row tile, one product for its three digits). For kBlocks blocks at a time and
@@ -40,17 +76,16 @@ constexpr float kFixedMax = 8257536.0f;  // 2^23 - 2^17: the top digit stays in 
 // the blocks' weight tiles; the digits' tile is loaded once for the three blocks (a tile
 // load costs about a cycle per row here), and the three sums are independent chains.
 // Integer sums are exact, so the grouping changes no bit.
-AMX_TARGET void amx_pass(const int8_t* digits, int64_t M, int64_t k_tiles, const int8_t* packed,
+AMX_AVX512_TARGET void amx_pass(const int8_t* digits, int64_t M, int64_t k_tiles, const int8_t* packed,
                          const float* sx, const float* sw, int64_t N, bool bf16, void* y,
                          int64_t b0, int64_t b1, int32_t* sums) {
   const int64_t R = kDigits * M, width = k_tiles * kTileK, block_bytes = k_tiles * kTileBytes;
-  int64_t configured = -1;
+  uint64_t configured = 0;
   for (int64_t g = b0; g < b1; g += kBlocks) {
     const int64_t nb = std::min<int64_t>(kBlocks, b1 - g);
+    const char* block = reinterpret_cast<const char*>(packed + g * block_bytes);
     for (int64_t r0 = 0; r0 < R; r0 += kTile) {
-      const int64_t rows = std::min<int64_t>(kTile, R - r0);
-      amx::configure(rows, configured);
-      const char* block = reinterpret_cast<const char*>(packed + g * block_bytes);
+      amx::configure(std::min<int64_t>(kTile, R - r0), configured);
       amx::accumulate<false>(reinterpret_cast<const char*>(digits + r0 * width), width, block,
                              block_bytes, nb, k_tiles, r0 == 0);
       // sums[j][r][col]: block j's digit-row r
@@ -58,28 +93,11 @@ AMX_TARGET void amx_pass(const int8_t* digits, int64_t M, int64_t k_tiles, const
       if (nb > 1) _tile_stored(1, sums + (R + r0) * kTile, 64);
       if (nb > 2) _tile_stored(2, sums + (2 * R + r0) * kTile, 64);
     }
-    for (int64_t j = 0; j < nb; ++j) {
-      const int32_t* s = sums + j * R * kTile;
-      const int64_t n0 = (g + j) * kTile, cols = std::min(kTile, N - n0);
-      for (int64_t m = 0; m < M; ++m) {
-        const int32_t* d0 = s + (kDigits * m) * kTile;
-        for (int64_t c = 0; c < cols; ++c) {
-          const double whole =
-              65536.0 * d0[2 * kTile + c] + 256.0 * d0[kTile + c] + double(d0[c]);
-          const float v = float(whole * double(sx[m]) * double(sw[n0 + c]));
-          if (bf16) {
-            static_cast<at::BFloat16*>(y)[m * N + n0 + c] = at::BFloat16(v);
-          } else {
-            static_cast<float*>(y)[m * N + n0 + c] = v;
-          }
-        }
-      }
-    }
+    for (int64_t j = 0; j < nb; ++j)
+      combine_rows(sums + j * R * kTile, M, (g + j) * kTile, sx, sw, N, bf16, y);
   }
   _tile_release();
 }
-
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
 
 AVX512_TARGET inline __m512 load16(const float* p, __mmask16 mask) {
   return _mm512_maskz_loadu_ps(mask, p);
