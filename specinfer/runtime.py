@@ -14,6 +14,7 @@ that need it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -266,8 +267,7 @@ class LlamaRuntime:
                 self.proj, self.norms, self.acts, strict=True)):
             heads = proj.qkv(norm_in(hidden)).view(b, q, -1, self.head_dim)  # [q | k | v]
             hidden = hidden + proj.o(self._attend(i, heads, rows))
-            gate, up = proj.gate_up(norm_post(hidden)).chunk(2, -1)
-            hidden = hidden + proj.down(act_fn(gate) * up)
+            hidden = hidden + proj.down(self._gated(act_fn, proj.gate_up(norm_post(hidden))))
         return hidden
 
     @torch.inference_mode()
@@ -363,9 +363,17 @@ class LlamaRuntime:
                 outs.append(out)
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             hidden = hidden + proj.o(out)
-            gate, up = proj.gate_up(norm_post(hidden)).chunk(2, -1)
-            hidden = hidden + proj.down(act_fn(gate) * up)
+            hidden = hidden + proj.down(self._gated(act_fn, proj.gate_up(norm_post(hidden))))
         return hidden
+
+    def _gated(self, act_fn: Callable[[torch.Tensor], torch.Tensor],
+               gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up from the gate | up projection: for SiLU in the batch-invariant
+        formats by the native operator (as the native decoder loop runs it), else torch's."""
+        if act_fn is F.silu and self._native is not None:
+            return self._native.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, -1)
+        return act_fn(gate) * up
 
     def _native_layers(self, hidden: torch.Tensor, parts: list[_Rows]) -> torch.Tensor:
         """``_layers`` as one native call: each part's tables, each layer's mask."""

@@ -1,8 +1,8 @@
 """The CPU kernels of the batch-invariant formats (bfloat16, int8) on their own: each
 row's bits whatever rows come with it (oneDNN's and our AMX linears, int8's kernels and their
 probes), the native attention (a tree node's row equals plain decoding's, vector and
-portable loops agree, close to float64), the native RMSNorm, and the native decoder loop
-(the Python loop's bits)."""
+portable loops agree, close to float64), the native RMSNorm (and residual sum) and SiLU
+gate, and the native decoder loop (the Python loop's bits)."""
 
 from __future__ import annotations
 
@@ -240,10 +240,26 @@ def test_native_decoder_loop_gives_the_python_loops_bits(tiny_llama, placement, 
     assert torch.equal(native_run[1], python_run[1]) and torch.equal(native_run[2], python_run[2])
 
 
+def with_portable_loops(switch, run, *args):
+    """``run(*args)`` with the vector loops and then with the portable ones (``switch``: the
+    op's test switch): both results."""
+    results = []
+    for portable in (False, True):
+        switch(portable)
+        try:
+            results.append(run(*args))
+        finally:
+            switch(False)
+    return results
+
+
 def test_native_rms_norm_rows_stand_alone_and_stay_close_to_torchs():
     """The bfloat16 formats' native RMSNorm: a row's bits whatever rows come with it, at
-    widths on and off its 16 lanes, within bfloat16's rounding of torch's norm."""
-    if native.library() is None:
+    widths on and off its 16 lanes, within bfloat16's rounding of torch's norm; the fused
+    residual sum + norm gives torch's bfloat16 add and the norm's bits; AVX-512 and the
+    portable loops agree bit for bit."""
+    ops = native.library()
+    if ops is None:
         pytest.skip("the native kernels could not be built")
     gen = torch.Generator().manual_seed(0)
     for width in (576, 100):
@@ -251,13 +267,42 @@ def test_native_rms_norm_rows_stand_alone_and_stay_close_to_torchs():
         module.weight = torch.nn.Parameter((torch.rand(width, generator=gen) + 0.5)
                                            .to(torch.bfloat16))
         module.variance_epsilon = 1e-5
-        norm = layers.Norm(module, native.library())
+        norm = layers.Norm(module, ops)
         x = (torch.randn(40, width, generator=gen) * 4).to(torch.bfloat16)
         full = norm(x)
         assert all(torch.equal(norm(x[i : i + 1]), full[i : i + 1]) for i in range(40))
         assert torch.equal(norm(x.view(5, 8, width)), full.view(5, 8, width))
         ref = F.rms_norm(x.float(), (width,), module.weight.float(), 1e-5)
         assert (full.float() - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+        delta = (torch.randn(40, width, generator=gen) * 2).to(torch.bfloat16)
+        vector, portable = with_portable_loops(
+            ops.rms_norm_portable, lambda n, a, b: (n(a), *ops.add_rms_norm(
+                a, b, n.native_weight, 1e-5)), norm, x, delta)
+        assert all(torch.equal(a, b) for a, b in zip(vector, portable, strict=True))
+        assert torch.equal(vector[1], x + delta) and torch.equal(vector[2], norm(x + delta))
+
+
+def test_native_silu_mul_rows_stand_alone_and_stay_close():
+    """The batch-invariant formats' SiLU(gate) * up: each element on its own (a row alone
+    or in a batch, the same bits), AVX-512 and the portable loop bit for bit, within
+    bfloat16's rounding of float64's (and float32's within 1e-6), at widths on and off the
+    16 lanes, across the exp's range (large negative gates included)."""
+    ops = native.library()
+    if ops is None:
+        pytest.skip("the native kernels could not be built")
+    gen = torch.Generator().manual_seed(0)
+    for width, dtype in ((1536, torch.bfloat16), (100, torch.bfloat16), (40, torch.float32)):
+        gate_up = torch.randn(24, 2 * width, generator=gen) * 6
+        gate_up[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, -200.0, 1e-30, -1e-30, 3.0])
+        gate_up = gate_up.to(dtype)
+        vector, portable = with_portable_loops(ops.silu_mul_portable, ops.silu_mul, gate_up)
+        assert torch.equal(vector, portable)
+        assert all(torch.equal(ops.silu_mul(gate_up[i : i + 1]), vector[i : i + 1])
+                   for i in range(24))
+        gate, up = gate_up.double().chunk(2, -1)
+        want = F.silu(gate) * up
+        tol = 2 ** -8 if dtype == torch.bfloat16 else 1e-6
+        assert ((vector.double() - want).abs() <= tol * want.abs() + 1e-30).all()
 
 
 def test_bfloat16_rows_run_alone_where_no_batching_rule_holds(monkeypatch):

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "vector_math.h"
+
 #define AMX_TARGET __attribute__((target("amx-tile,amx-int8,amx-bf16")))
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define AMX_AVX512_TARGET \
@@ -87,23 +89,6 @@ AMX_TARGET inline void accumulate(const char* x, int64_t stride, const char* blo
       AMX_PRODUCT(2, 3, 6);
     }
   }
-}
-
-// 16 float32 outputs (the `cols` lanes) stored as float32, or as bfloat16 rounded as
-// at::BFloat16 rounds (to nearest even; NaN to 0x7FC0).
-AVX512_TARGET inline void store_row(__m512 v, __mmask16 cols, bool bf16, void* out) {
-  if (!bf16) {
-    _mm512_mask_storeu_ps(out, cols, v);
-    return;
-  }
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i bias = _mm512_add_epi32(
-      _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
-      _mm512_set1_epi32(0x7FFF));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                  _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(out, cols, _mm512_cvtepi32_epi16(rounded));
 }
 
 }  // namespace amx

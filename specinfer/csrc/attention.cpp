@@ -33,7 +33,13 @@
 #include <cstring>
 #include <vector>
 
+#include "vector_math.h"
+
 namespace {
+
+using vector_math::exp16;
+using vector_math::exp_nonpositive;
+using vector_math::widen16;
 
 constexpr int kLanes = 16;
 bool portable_only = false;  // tests: the portable loops even where AVX-512 runs
@@ -53,27 +59,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (int l = 0; l < kLanes && l < n; ++l) lanes[l] = a[l] * b[l];
   for (int64_t k = kLanes; k < n; ++k) lanes[k % kLanes] = std::fma(a[k], b[k], lanes[k % kLanes]);
   return fold(lanes);
-}
-
-// e^x for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, times 2^n),
-// within ~1 ulp; below -87 it gives e^-87 (~1e-38), nothing beside a row's largest term, 1.
-constexpr float kLog2e = 1.44269504088896341f, kRound = 12582912.0f;  // 1.5 * 2^23
-constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-constexpr float kExp[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = (x * kLog2e + kRound) - kRound;  // round(x / ln2), ties to even
-  float r = x - n * kLn2Hi;
-  r = r - n * kLn2Lo;
-  float p = kExp[0];
-  for (int i = 1; i < 6; ++i) p = p * r + kExp[i];
-  p = p * (r * r) + r + 1.0f;
-  const int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 struct Rows {
@@ -111,7 +96,7 @@ void attend_head(const float* q, const float* keys, const float* values, int64_t
 
 // ---- the same arithmetic on AVX-512 (D a multiple of 16) ---------------------------------
 
-#define AVX512 __attribute__((target("avx512f")))
+#define AVX512 VECTOR_MATH_AVX512
 
 // 16 keys' lane vectors folded at once: the fold's pairs added (lane l + lane l + 8, then
 // + 4, + 2, + 1) while the vectors are transposed, so key j's sum lands in lane j.
@@ -132,22 +117,6 @@ AVX512 inline __m512 fold16(__m512* v) {
 }
 
 alignas(64) int32_t fold_order[kLanes];  // key j's sum is in lane fold_order[j]
-
-AVX512 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_sub_ps(
-      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _mm512_set1_ps(kRound)),
-      _mm512_set1_ps(kRound));
-  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(kLn2Hi)));
-  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(kLn2Lo)));
-  __m512 p = _mm512_set1_ps(kExp[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(kExp[i]));
-  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r),
-                    _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
 
 // CHUNKS = D / 16, fixed at compile time so that q and the sums stay in registers.
 template <int CHUNKS>
@@ -232,7 +201,9 @@ AVX512 void find_fold_order() {
 
 // The AVX-512 kernel for head size D where the CPU has it (and D is one it is built for).
 HeadKernel avx512_kernel(int64_t D) {
-  static const bool has = __builtin_cpu_supports("avx512f") && (find_fold_order(), true);
+  static const bool has = __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && (find_fold_order(), true);
   if (!has || portable_only) return nullptr;
   switch (D) {
     case 32: return attend_head_avx512<2>;
@@ -272,30 +243,55 @@ void attend_row(const Rows& a, int64_t row, int64_t g, int64_t* seen, float* e, 
   }
 }
 
-// qk[row, h] = rotary(q | k heads) in float32; the keys and values into the cache.
+// One head's rotary: y = x * cos + roll(x, D / 2) * sin (sin's first half negated), each
+// product and the sum rounded on its own, 16 lanes at a time (D / 2 a multiple of 16).
+template <typename T>
+AVX512 void rotate_avx512(const T* x, const float* c, const float* s, int64_t half, float* y) {
+  for (int64_t j = 0; j < half; j += kLanes) {
+    const __m512 lo = widen16(x + j), hi = widen16(x + half + j);
+    _mm512_storeu_ps(y + j, _mm512_add_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(c + j)),
+                                          _mm512_mul_ps(hi, _mm512_loadu_ps(s + j))));
+    _mm512_storeu_ps(y + half + j,
+                     _mm512_add_ps(_mm512_mul_ps(hi, _mm512_loadu_ps(c + half + j)),
+                                   _mm512_mul_ps(lo, _mm512_loadu_ps(s + half + j))));
+  }
+}
+
+// qk[row, h] = rotary(q | k heads) in float32; the keys and values into the cache. Rows
+// split between threads (each row's arithmetic is the same wherever it runs).
 template <typename T>
 void rotate_and_write(const T* heads, int64_t rows, int64_t hq, int64_t hkv, int64_t D,
                       const float* cos, const float* sin, float* qk, float* ck, float* cv,
                       int64_t slot_stride, const int64_t* write_slot, const int64_t* write_pos) {
   const int64_t width = hq + 2 * hkv, half = D / 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* row = heads + r * width * D;
-    const float* c = cos + r * D;
-    const float* s = sin + r * D;
-    float* out = qk + r * (hq + hkv) * D;
-    for (int64_t h = 0; h < hq + hkv; ++h) {
-      const T* x = row + h * D;
-      float* y = out + h * D;
-      for (int64_t j = 0; j < half; ++j)  // x * cos + roll(x, D / 2) * signed sin
-        y[j] = float(x[j]) * c[j] + float(x[j + half]) * s[j];
-      for (int64_t j = half; j < D; ++j) y[j] = float(x[j]) * c[j] + float(x[j - half]) * s[j];
+  const bool avx512 = half % kLanes == 0 && avx512_kernel(D) != nullptr;
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = heads + r * width * D;
+      const float* c = cos + r * D;
+      const float* s = sin + r * D;
+      float* out = qk + r * (hq + hkv) * D;
+      for (int64_t h = 0; h < hq + hkv; ++h) {
+        const T* x = row + h * D;
+        float* y = out + h * D;
+        if (avx512) {
+          rotate_avx512(x, c, s, half, y);
+          continue;
+        }
+        for (int64_t j = 0; j < half; ++j)  // x * cos + roll(x, D / 2) * signed sin
+          y[j] = float(x[j]) * c[j] + float(x[j + half]) * s[j];
+        for (int64_t j = half; j < D; ++j) y[j] = float(x[j]) * c[j] + float(x[j - half]) * s[j];
+      }
+      const int64_t at = write_slot[r] * slot_stride + write_pos[r] * hkv * D;
+      std::memcpy(ck + at, out + hq * D, hkv * D * sizeof(float));
+      for (int64_t j = 0; j < hkv * D; ++j) cv[at + j] = float(row[(hq + hkv) * D + j]);
     }
-    const int64_t at = write_slot[r] * slot_stride + write_pos[r] * hkv * D;
-    for (int64_t j = 0; j < hkv * D; ++j) {
-      ck[at + j] = out[hq * D + j];
-      cv[at + j] = float(row[(hq + hkv) * D + j]);
-    }
-  }
+  });
+}
+
+AVX512 void to_bfloat16_avx512(const float* x, int64_t n, at::BFloat16* y) {
+  for (int64_t j = 0; j < n; j += kLanes)  // rounded as at::BFloat16 rounds
+    vector_math::store16(widen16(x + j, vector_math::lanes(n - j)), vector_math::lanes(n - j), y + j);
 }
 
 }  // namespace
@@ -352,19 +348,30 @@ at::Tensor attention(const at::Tensor& heads_in, const at::Tensor& cos_in,
                   slots.data_ptr<int64_t>(),
                   visible.defined() ? visible.data_ptr<bool>() : nullptr,
                   Q, hq, hkv, D, cache_k.size(1), key_len, 1.0f / std::sqrt(float(D))};
-  auto out = at::empty({B, Q, hq * D}, heads.options().dtype(at::kFloat));
-  float* op = out.data_ptr<float>();
+  auto out = at::empty({B, Q, hq * D}, heads.options());
+  const bool bf16 = heads.scalar_type() == at::kBFloat16, avx512 = avx512_kernel(D) != nullptr;
+  char* op = static_cast<char*>(out.data_ptr());
   // Items are (query row, kv head); a thread takes whole items, so its split changes no bits.
   const int64_t items = B * Q * hkv, work = std::max<int64_t>(1, key_len * G * D);
   at::parallel_for(0, items, std::max<int64_t>(1, (1 << 20) / work), [&](int64_t i0, int64_t i1) {
     std::vector<int64_t> seen(key_len);
-    std::vector<float> e(key_len);
+    std::vector<float> e(key_len), heads_out(G * D);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t row = i / hkv, g = i % hkv;
-      attend_row(rows, row, g, seen.data(), e.data(), op + row * hq * D + g * G * D);
+      const int64_t row = i / hkv, g = i % hkv, at = row * hq * D + g * G * D;
+      if (!bf16) {
+        attend_row(rows, row, g, seen.data(), e.data(), reinterpret_cast<float*>(op) + at);
+        continue;
+      }
+      attend_row(rows, row, g, seen.data(), e.data(), heads_out.data());
+      auto* o = reinterpret_cast<at::BFloat16*>(op) + at;
+      if (avx512) {
+        to_bfloat16_avx512(heads_out.data(), G * D, o);
+      } else {
+        for (int64_t j = 0; j < G * D; ++j) o[j] = at::BFloat16(heads_out[j]);
+      }
     }
   });
-  return out.to(heads.scalar_type());
+  return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(specinfer, m) {

@@ -50,14 +50,13 @@ AMX_AVX512_TARGET void bf16_pass(const at::BFloat16* x, int64_t M, int64_t strid
       if (nb > 2) _tile_stored(2, sums + 2 * kTile * kTile, 64);
       for (int64_t j = 0; j < nb; ++j) {
         const int64_t n0 = (g + j) * kTile;
-        const __mmask16 cols = N - n0 >= kTile ? __mmask16(0xFFFF)
-                                               : __mmask16((1u << (N - n0)) - 1);
+        const __mmask16 cols = vector_math::lanes(N - n0);
         const __m512 b = bias == nullptr ? _mm512_setzero_ps()
                                          : _mm512_maskz_loadu_ps(cols, bias + n0);
         for (int64_t r = 0; r < rows; ++r) {
           __m512 v = _mm512_loadu_ps(sums + (j * kTile + r) * kTile);
           if (bias != nullptr) v = _mm512_add_ps(v, b);  // float32, before the rounding
-          amx::store_row(v, cols, true, y + (r0 + r) * N + n0);
+          vector_math::store16(v, cols, y + (r0 + r) * N + n0);
         }
       }
     }

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <tuple>
 #include <string_view>
 #include <vector>
 
@@ -30,6 +31,9 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const at
 at::Tensor bf16_amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
                            const c10::optional<at::Tensor>& bias_in, int64_t N);
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps);
+at::Tensor silu_mul(const at::Tensor& gate_up_in);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a_in, const at::Tensor& b_in,
+                                                const at::Tensor& weight_in, double eps);
 at::Tensor attention(const at::Tensor& heads_in, const at::Tensor& cos_in,
                      const at::Tensor& sin_in, at::Tensor cache_k, at::Tensor cache_v,
                      const at::Tensor& write_slot_in, const at::Tensor& write_pos_in,
@@ -93,6 +97,13 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return rms_norm(x, weight, eps);
 }
 
+// (hidden + delta, its norm): torch's bfloat16 add and the norm above, in one call.
+std::tuple<at::Tensor, at::Tensor> add_norm(const at::Tensor& hidden, const at::Tensor& delta,
+                                            const at::Tensor& weight, double eps) {
+  RECORD_FUNCTION("specinfer::add_rms_norm", c10::ArrayRef<c10::IValue>{});
+  return add_rms_norm(hidden, delta, weight, eps);
+}
+
 }  // namespace
 
 at::Tensor decoder_layers(at::Tensor hidden, const std::vector<at::Tensor>& weights,
@@ -131,8 +142,9 @@ at::Tensor decoder_layers(at::Tensor hidden, const std::vector<at::Tensor>& weig
     const auto& real = packed.get(p);
     bounds.push_back(bounds.back() + (real.has_value() ? real->size(0) : part_b[p] * part_q[p]));
   }
+  at::Tensor normed = norm(hidden, norms[0], eps);
   for (int64_t i = 0; i < layers; ++i) {
-    const auto heads = linear(4 * i, norm(hidden, norms[2 * i], eps));
+    const auto heads = linear(4 * i, normed);
     std::vector<at::Tensor> outs_of_parts;
     for (int64_t p = 0; p < parts; ++p) {
       const int64_t b = part_b[p], q = part_q[p];
@@ -152,9 +164,20 @@ at::Tensor decoder_layers(at::Tensor hidden, const std::vector<at::Tensor>& weig
       outs_of_parts.push_back(out);
     }
     const auto attended = parts == 1 ? outs_of_parts[0] : at::cat(outs_of_parts);
-    hidden = hidden + linear(4 * i + 1, attended);
-    const auto gate_up = linear(4 * i + 2, norm(hidden, norms[2 * i + 1], eps)).chunk(2, -1);
-    hidden = hidden + linear(4 * i + 3, at::silu(gate_up[0]) * gate_up[1]);
+    std::tie(hidden, normed) =
+        add_norm(hidden, linear(4 * i + 1, attended), norms[2 * i + 1], eps);
+    const auto gate_up = linear(4 * i + 2, normed);
+    at::Tensor gated;
+    {
+      RECORD_FUNCTION("specinfer::silu_mul", c10::ArrayRef<c10::IValue>{});
+      gated = silu_mul(gate_up);
+    }
+    const auto delta = linear(4 * i + 3, gated);
+    if (i + 1 < layers) {
+      std::tie(hidden, normed) = add_norm(hidden, delta, norms[2 * i + 2], eps);
+    } else {
+      hidden = hidden + delta;
+    }
   }
   return hidden;
 }

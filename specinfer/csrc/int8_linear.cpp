@@ -56,14 +56,18 @@ AVX512_TARGET inline void combine(const int32_t* d, float sx, const float* sw, _
   }
   const __m512 v = _mm512_castpd_ps(_mm512_insertf64x4(
       _mm512_castps_pd(_mm512_castps256_ps512(half[0])), _mm256_castps_pd(half[1]), 1));
-  amx::store_row(v, cols, bf16, out);
+  if (bf16) {
+    vector_math::store16(v, cols, reinterpret_cast<at::BFloat16*>(out));
+  } else {
+    vector_math::store16(v, cols, reinterpret_cast<float*>(out));
+  }
 }
 
 // Every row's 16 columns n0.. of a block from its digits' sums (sums[r][col], digit-row r).
 AVX512_TARGET inline void combine_rows(const int32_t* sums, int64_t M, int64_t n0,
                                        const float* sx, const float* sw, int64_t N, bool bf16,
                                        void* y) {
-  const __mmask16 cols = N - n0 >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
+  const __mmask16 cols = vector_math::lanes(N - n0);
   for (int64_t m = 0; m < M; ++m)
     combine(sums + kDigits * m * kTile, sx[m], sw + n0, cols, bf16,
             static_cast<char*>(y) + (m * N + n0) * (bf16 ? 2 : 4));
@@ -99,15 +103,6 @@ AMX_AVX512_TARGET void amx_pass(const int8_t* digits, int64_t M, int64_t k_tiles
   _tile_release();
 }
 
-AVX512_TARGET inline __m512 load16(const float* p, __mmask16 mask) {
-  return _mm512_maskz_loadu_ps(mask, p);
-}
-
-AVX512_TARGET inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {  // exact widening
-  const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 // Row m of x as fixed point: its scale sx[m], and its digit d at digits[3 m + d][k] (the
 // buffer is zeroed beyond K). Every lane does what the reference does, in float32:
 // q = round_half_even(x / s).
@@ -119,16 +114,16 @@ AVX512_TARGET void to_digits(const T* x, int64_t M, int64_t K, int64_t width,
     const T* row = x + m * K;
     __m512 most = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
-      most = _mm512_max_ps(most, _mm512_abs_ps(load16(row + k, mask)));
+      const __mmask16 mask = vector_math::lanes(K - k);
+      most = _mm512_max_ps(most, _mm512_abs_ps(vector_math::widen16(row + k, mask)));
     }
     const float top = _mm512_reduce_max_ps(most);
     const float s = top > 0.0f ? top / kFixedMax : 1.0f;
     sx[m] = s;
     const __m512 step = _mm512_set1_ps(s);
     for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
-      __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(load16(row + k, mask), step));
+      const __mmask16 mask = vector_math::lanes(K - k);
+      __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(vector_math::widen16(row + k, mask), step));
       for (int i = 0; i < kDigits; ++i) {
         const __m512i d = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, half), byte), half);
         _mm_mask_storeu_epi8(digits + (kDigits * m + i) * width + k, mask,
