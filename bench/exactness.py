@@ -6,7 +6,9 @@ round differently, so a near-tie can flip a token and the texts part from there.
 For each format: the 80 MT-Bench first turns (chat template), ``--new-tokens`` each, one
 sequence at a time; plain decoding, then speculation with the verifier's own drafts
 (draft head + model-free, ``--draft-nodes`` per step). Prints the share of prompts whose
-tokens are identical and where the first difference falls; writes JSON.
+tokens are identical and where the first difference falls; writes JSON. Where float32 runs
+too, each other format's quality beside it: how many tokens its plain text keeps to
+float32's (transformers') before the two part, on average.
 
     python -m bench.exactness [--formats float32,bfloat16,int8] [--prompts 80]
 """
@@ -55,14 +57,17 @@ def main() -> None:
     head = bundled_head(args.llm)
     report = {"llm": args.llm, "prompts": len(prompts), "new_tokens": args.new_tokens,
               "draft_nodes": args.draft_nodes, "formats": {}}
+    plains: dict[str, list[list[int]]] = {}
     for name in args.formats.split(","):
         dtype, quantize = FORMATS[name]
         engine = build_engine(args.llm, EngineConfig(max_context=2048, slots=2),
                               drafter=ModelFreeDrafter(), head=str(head) if head else None,
                               placement=resolve("cpu", dtype, quantize, "off"))
         same, diffs, accepted, start = 0, [], [], time.perf_counter()
+        plains[name] = []
         for ids in prompts:
             plain = generate_local(engine, [ids], args.new_tokens)[0]
+            plains[name].append(plain.token_ids)
             sources = ("head", "model_free") if head else ("model_free",)
             spec = generate_local(engine, [ids], args.new_tokens,
                                   draft=DraftPlan(sources, args.draft_nodes))[0]
@@ -79,6 +84,15 @@ def main() -> None:
         print(f"{name:<9} identical {same}/{len(prompts)} ({share:.1%}); differing prompts "
               f"part at tokens {sorted(diffs)}; {sum(accepted) / len(accepted):.2f} "
               f"tokens/step", flush=True)
+    for name, texts in plains.items():
+        if name == "float32" or "float32" not in plains:
+            continue
+        kept = [len(ref) if d is None else d for ref, text in zip(plains["float32"], texts,
+                                                                   strict=True)
+                for d in [first_difference(ref, text)]]
+        report["formats"][name]["tokens_kept_to_float32"] = sum(kept) / len(kept)
+        print(f"{name:<9} plain text keeps to float32's for {sum(kept) / len(kept):.1f} "
+              f"tokens on average (of {args.new_tokens})", flush=True)
     write_report(Path(args.out), report)
 
 
