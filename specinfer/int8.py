@@ -81,6 +81,11 @@ class AmxLinear:
         y = self.ops.int8_amx_linear(x, self.tiles, self.scale, self.out)
         return y if self.bias is None else y + self.bias
 
+    def float32(self, x: torch.Tensor) -> torch.Tensor:
+        """The outputs in float32, not rounded to x's dtype (the logits)."""
+        y = self.ops.int8_amx_linear(x, self.tiles, self.scale, self.out, True)
+        return y if self.bias is None else y + self.bias.float()
+
 
 def _build(name: str, q: torch.Tensor, scale: torch.Tensor, act: torch.dtype,
            bias: torch.Tensor | None = None) -> Kernel:

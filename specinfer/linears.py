@@ -109,6 +109,10 @@ class AmxBf16Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.bf16_amx_linear(x, self.tiles, self.bias, self.out)
 
+    def float32(self, x: torch.Tensor) -> torch.Tensor:
+        """The float32 sums, not rounded to bfloat16 (the logits)."""
+        return self.ops.bf16_amx_linear(x, self.tiles, self.bias, self.out, True)
+
 
 def bfloat16_kernel() -> str:
     """``amx`` (ours) where the CPU has AMX's bfloat16 and the native library builds and a
@@ -209,9 +213,23 @@ class Linear:
         self.native = native
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, False)
+
+    def float32(self, x: torch.Tensor) -> torch.Tensor:
+        """The outputs in float32: unrounded where the kernel gives them so (our AMX
+        kernels: the logits keep what bfloat16 would round away), else widened."""
+        return self._run(x, True)
+
+    def _run(self, x: torch.Tensor, float32: bool) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         flat = x.reshape(rows, x.shape[-1])
-        out = (self.small if rows <= self.small_rows else self.large)(flat)
+        kernel = self.small if rows <= self.small_rows else self.large
+        if not float32:
+            out = kernel(flat)
+        elif hasattr(kernel, "float32"):
+            out = kernel.float32(flat)
+        else:
+            out = kernel(flat).float()
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -224,6 +242,9 @@ class ModuleLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.module(x)
+
+    def float32(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x).float()
 
 
 def plain(module: torch.nn.Module) -> bool:

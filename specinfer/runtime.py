@@ -481,7 +481,9 @@ class LlamaRuntime:
 
     @torch.inference_mode()
     def head(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.head_linear(normed).float()
+        """Float32 logits (the AMX kernels give them unrounded, so greedy's argmax is not
+        decided by bfloat16's rounding of near-equal logits)."""
+        return self.head_linear.float32(normed)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self.final_norm(hidden))

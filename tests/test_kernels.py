@@ -111,6 +111,29 @@ def test_int8_probe_keeps_torchs_kernel_where_ours_disagrees(monkeypatch):
     assert int8.chosen(torch.bfloat16) == "torch"
 
 
+def test_amx_kernels_give_float32_logits_unrounded():
+    """The vocabulary head's float32 output (``float32``: our AMX kernels skip the rounding
+    to bfloat16): rounded, it is the bfloat16 output bit for bit; each row alone gives the
+    batch's bits; and it keeps what bfloat16 rounds away (it is not all bfloat16 values)."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(200, 576, generator=gen) * 0.05
+    bias = torch.randn(200, generator=gen)
+    x = (torch.randn(17, 576, generator=gen) * 3).to(torch.bfloat16)
+    kernels = []
+    if int8._wanted() == "amx" and native.library() is not None:
+        kernels.append(int8.AmxLinear(*int8.quantize(weight), None))  # a head has no bias
+    if linears.bfloat16_kernel() == "amx":
+        kernels.append(linears.AmxBf16Linear(weight, bias))
+    if not kernels:
+        pytest.skip("this CPU has no AMX (or the kernels could not be built)")
+    for kernel in kernels:
+        wide = kernel.float32(x)
+        assert wide.dtype == torch.float32
+        assert torch.equal(wide.to(torch.bfloat16), kernel(x).to(torch.bfloat16))
+        assert all(torch.equal(kernel.float32(x[i : i + 1]), wide[i : i + 1]) for i in range(17))
+        assert not torch.equal(wide, wide.to(torch.bfloat16).float())
+
+
 def test_bf16_probe_keeps_onednn_where_ours_disagrees(monkeypatch):
     """Our bfloat16 AMX kernel, perturbed by the row count, fails the probe; the process
     then runs oneDNN's kernels."""

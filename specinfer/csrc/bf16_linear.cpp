@@ -10,7 +10,7 @@
 //   packed [ceil(N/16), ceil(K/32), 16, 16, 2] bfloat16: B tiles, row p of tile (b, t)
 //          holding the pairs k = 32t + 2p, 32t + 2p + 1 of the 16 columns of block b
 //   bias   None or [N] float32, added in float32 before the output's rounding
-// returns  [M, N] bfloat16.
+// returns  [M, N] bfloat16, or float32 (float_out: the sums unrounded, e.g. for logits).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -31,9 +31,10 @@ constexpr int64_t kTileK = 32;  // bfloat16 k per tile row
 
 // Weight blocks [b0, b1) on one thread: for three blocks at a time and each 16-row tile of
 // x, tmm0-2 the blocks' float32 sums, tmm3 x's rows, tmm4-6 the blocks' weight tiles.
-AMX_AVX512_TARGET void bf16_pass(const at::BFloat16* x, int64_t M, int64_t stride, int64_t k_tiles,
-                          const at::BFloat16* packed, const float* bias, int64_t N,
-                          at::BFloat16* y, int64_t b0, int64_t b1, float* sums) {
+template <typename Out>
+AMX_AVX512_TARGET void bf16_pass(const at::BFloat16* x, int64_t M, int64_t stride,
+                                 int64_t k_tiles, const at::BFloat16* packed, const float* bias,
+                                 int64_t N, Out* y, int64_t b0, int64_t b1, float* sums) {
   const int64_t block_bytes = k_tiles * kTileBytes;
   const char* weights = reinterpret_cast<const char*>(packed);
   uint64_t configured = 0;
@@ -67,7 +68,8 @@ AMX_AVX512_TARGET void bf16_pass(const at::BFloat16* x, int64_t M, int64_t strid
 }  // namespace
 
 at::Tensor bf16_amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
-                           const c10::optional<at::Tensor>& bias_in, int64_t N) {
+                           const c10::optional<at::Tensor>& bias_in, int64_t N,
+                           bool float_out) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x: [rows, in] bfloat16");
   TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 &&
                   packed.is_contiguous() && packed.size(0) * kTile >= N,
@@ -83,21 +85,26 @@ at::Tensor bf16_amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
   const auto x = K == k_tiles * kTileK
       ? x_in.contiguous()
       : at::constant_pad_nd(x_in, {0, k_tiles * kTileK - K}).contiguous();
-  auto y = at::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* pp = packed.data_ptr<at::BFloat16>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t stride = x.size(1);
   at::parallel_for(0, packed.size(0), 2 * kBlocks, [&](int64_t b0, int64_t b1) {
     std::vector<float> sums(kBlocks * kTile * kTile);
-    bf16_pass(xp, M, stride, k_tiles, pp, bp, N, yp, b0, b1, sums.data());
+    if (float_out) {
+      bf16_pass(xp, M, stride, k_tiles, pp, bp, N, y.data_ptr<float>(), b0, b1, sums.data());
+    } else {
+      bf16_pass(xp, M, stride, k_tiles, pp, bp, N, y.data_ptr<at::BFloat16>(), b0, b1,
+                sums.data());
+    }
   });
   return y;
 }
 
 TORCH_LIBRARY_FRAGMENT(specinfer, m) {
-  m.def("bf16_amx_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor",
+  m.def("bf16_amx_linear(Tensor x, Tensor packed, Tensor? bias, int n, bool float_out=False) "
+        "-> Tensor",
         &bf16_amx_linear);
 }

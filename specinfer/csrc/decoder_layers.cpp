@@ -27,9 +27,9 @@
 #include <vector>
 
 at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
-                      int64_t N);
+                      int64_t N, bool float_out);
 at::Tensor bf16_amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
-                           const c10::optional<at::Tensor>& bias_in, int64_t N);
+                           const c10::optional<at::Tensor>& bias_in, int64_t N, bool float_out);
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up_in);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a_in, const at::Tensor& b_in,
@@ -73,11 +73,11 @@ struct Linears {
     at::Tensor y;
     if (kinds[l] == kInt8Amx) {
       RECORD_FUNCTION("specinfer::int8_amx_linear", c10::ArrayRef<c10::IValue>{});
-      y = amx_linear(flat, weights[l], *scales.get(l), outs[l]);
+      y = amx_linear(flat, weights[l], *scales.get(l), outs[l], false);
       if (bias.has_value()) y = y + *bias;
     } else if (kinds[l] == kBf16Amx) {
       RECORD_FUNCTION("specinfer::bf16_amx_linear", c10::ArrayRef<c10::IValue>{});
-      y = bf16_amx_linear(flat, weights[l], bias, outs[l]);
+      y = bf16_amx_linear(flat, weights[l], bias, outs[l], false);
     } else if (rows[l] == 0 || n <= rows[l]) {
       y = onednn_linear(flat, weights[l], bias);
     } else {  // at most rows[l] rows a call (specinfer.linears.bfloat16_plan)

@@ -142,8 +142,9 @@ bool amx_enable() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
 
 // x [M, K] bfloat16 or float32; packed [ceil(N/16), ceil(K/64), 16, 16, 4] int8: B tiles,
 // row r holding k = 64t + 4r .. 64t + 4r + 3 of 16 columns; scale [N] float32.
+// Returns [M, N] in x's dtype, or float32 (float_out: unrounded to bfloat16, e.g. logits).
 at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
-                         const at::Tensor& scale, int64_t N) {
+                      const at::Tensor& scale, int64_t N, bool float_out) {
   const bool bf16 = x_in.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x_in.dim() == 2 && (bf16 || x_in.scalar_type() == at::kFloat),
               "x: [rows, in] bfloat16 or float32");
@@ -154,7 +155,8 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
   const auto x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), k_tiles = packed.size(1);
   TORCH_CHECK(K <= k_tiles * kTileK && packed.size(0) * kTile >= N, "x and packed disagree");
-  auto y = at::empty({M, N}, x.options());
+  const bool bf16_out = bf16 && !float_out;
+  auto y = at::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (M == 0) return y;
   const int64_t width = k_tiles * kTileK, R = kDigits * M;
   static thread_local std::vector<int8_t> digits;  // [M][3][width], zeros past K
@@ -173,12 +175,13 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
   void* yp = y.data_ptr();
   at::parallel_for(0, packed.size(0), 2 * kBlocks, [&](int64_t b0, int64_t b1) {
     std::vector<int32_t> sums(kBlocks * R * kTile);  // the int32 sums of a pass's blocks
-    amx_pass(dp, M, k_tiles, pp, sxp, swp, N, bf16, yp, b0, b1, sums.data());
+    amx_pass(dp, M, k_tiles, pp, sxp, swp, N, bf16_out, yp, b0, b1, sums.data());
   });
   return y;
 }
 
 TORCH_LIBRARY_FRAGMENT(specinfer, m) {
   m.def("amx_enable() -> bool", &amx_enable);
-  m.def("int8_amx_linear(Tensor x, Tensor packed, Tensor scale, int n) -> Tensor", &amx_linear);
+  m.def("int8_amx_linear(Tensor x, Tensor packed, Tensor scale, int n, bool float_out=False) "
+        "-> Tensor", &amx_linear);
 }
