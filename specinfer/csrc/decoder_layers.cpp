@@ -142,6 +142,7 @@ at::Tensor decoder_layers(at::Tensor hidden, const std::vector<at::Tensor>& weig
     const auto& real = packed.get(p);
     bounds.push_back(bounds.back() + (real.has_value() ? real->size(0) : part_b[p] * part_q[p]));
   }
+  if (layers == 0) return hidden;
   at::Tensor normed = norm(hidden, norms[0], eps);
   for (int64_t i = 0; i < layers; ++i) {
     const auto heads = linear(4 * i, normed);
