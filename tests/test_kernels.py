@@ -149,6 +149,20 @@ def test_bf16_probe_keeps_onednn_where_ours_disagrees(monkeypatch):
     assert linears.bfloat16_kernel() == "onednn"
 
 
+def with_portable_loops(run, *args):
+    """``run(*args)`` with the native operators' vector loops, then with their portable
+    loops (``portable_loops``, the operators' test switch): both results."""
+    ops = native.library()
+    results = []
+    for portable in (False, True):
+        ops.portable_loops(portable)
+        try:
+            results.append(run(*args))
+        finally:
+            ops.portable_loops(False)
+    return results
+
+
 def _native_attention_case(ops, head_dim: int, gen: torch.Generator):
     """One tree of 12 nodes after a 40-key prefix through the native attention in one
     call, and each node again as plain decoding computes it (its ancestors written one by
@@ -200,13 +214,8 @@ def test_native_attention_rows_stand_alone_and_stay_close(head_dim):
     ops = native.library()
     if ops is None:
         pytest.skip("the native kernels could not be built")
-    runs = []
-    for portable in (False, True):
-        ops.attention_portable(portable)
-        try:
-            runs.append(_native_attention_case(ops, head_dim, torch.Generator().manual_seed(1)))
-        finally:
-            ops.attention_portable(False)
+    runs = with_portable_loops(lambda: _native_attention_case(
+        ops, head_dim, torch.Generator().manual_seed(1)))
     (tree_out, plain_out, reference), portable_run = runs
     assert torch.equal(tree_out, plain_out)
     assert all(torch.equal(a, b) for a, b in zip(runs[0], portable_run, strict=True))
@@ -263,19 +272,6 @@ def test_native_decoder_loop_gives_the_python_loops_bits(tiny_llama, placement, 
     assert torch.equal(native_run[1], python_run[1]) and torch.equal(native_run[2], python_run[2])
 
 
-def with_portable_loops(switch, run, *args):
-    """``run(*args)`` with the vector loops and then with the portable ones (``switch``: the
-    op's test switch): both results."""
-    results = []
-    for portable in (False, True):
-        switch(portable)
-        try:
-            results.append(run(*args))
-        finally:
-            switch(False)
-    return results
-
-
 def test_native_rms_norm_rows_stand_alone_and_stay_close_to_torchs():
     """The bfloat16 formats' native RMSNorm: a row's bits whatever rows come with it, at
     widths on and off its 16 lanes, within bfloat16's rounding of torch's norm; the fused
@@ -298,9 +294,8 @@ def test_native_rms_norm_rows_stand_alone_and_stay_close_to_torchs():
         ref = F.rms_norm(x.float(), (width,), module.weight.float(), 1e-5)
         assert (full.float() - ref).abs().max() <= 2 ** -7 * ref.abs().max()
         delta = (torch.randn(40, width, generator=gen) * 2).to(torch.bfloat16)
-        vector, portable = with_portable_loops(
-            ops.rms_norm_portable, lambda n, a, b: (n(a), *ops.add_rms_norm(
-                a, b, n.native_weight, 1e-5)), norm, x, delta)
+        vector, portable = with_portable_loops(lambda n, a, b: (n(a), *ops.add_rms_norm(
+            a, b, n.native_weight, 1e-5)), norm, x, delta)
         assert all(torch.equal(a, b) for a, b in zip(vector, portable, strict=True))
         assert torch.equal(vector[1], x + delta) and torch.equal(vector[2], norm(x + delta))
 
@@ -318,7 +313,7 @@ def test_native_silu_mul_rows_stand_alone_and_stay_close():
         gate_up = torch.randn(24, 2 * width, generator=gen) * 6
         gate_up[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, -200.0, 1e-30, -1e-30, 3.0])
         gate_up = gate_up.to(dtype)
-        vector, portable = with_portable_loops(ops.silu_mul_portable, ops.silu_mul, gate_up)
+        vector, portable = with_portable_loops(ops.silu_mul, gate_up)
         assert torch.equal(vector, portable)
         assert all(torch.equal(ops.silu_mul(gate_up[i : i + 1]), vector[i : i + 1])
                    for i in range(24))

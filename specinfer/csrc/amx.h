@@ -4,13 +4,11 @@
 
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "vector_math.h"
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-int8,amx-bf16")))
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define AMX_AVX512_TARGET \
   __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl")))
 
@@ -28,27 +26,18 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tile t gets rows[t] rows of 64 bytes (a tile load costs about a cycle per row here, so
-// tiles are configured with just the rows a call has); loaded only when a shape changes.
-AMX_TARGET inline void configure(const uint8_t (&rows)[8], uint64_t& configured) {
-  uint64_t key = 0;
-  for (int t = 0; t < 8; ++t) key |= uint64_t(rows[t]) << (8 * t);
-  if (key == configured) return;
+// The layout of accumulate: tmm0-2 (the sums) and tmm3 (x's rows) with just `rows` rows (a
+// tile load costs about a cycle per row here), tmm4-6 (weight tiles) with 16; loaded only
+// when `rows` changes (`configured`: the rows last configured, -1 at first).
+AMX_TARGET inline void configure(int64_t rows, int64_t& configured) {
+  if (rows == configured) return;
   TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = rows[t];
-    config.colsb[t] = rows[t] ? 64 : 0;
+  for (int t = 0; t < 7; ++t) {
+    config.rows[t] = t >= 4 ? kTile : rows;
+    config.colsb[t] = 64;
   }
   _tile_loadconfig(&config);
-  configured = key;
-}
-
-// The layout of accumulate: tmm0-2 (the sums) and tmm3 (x's rows) with `rows` rows, tmm4-6
-// (weight tiles) with 16.
-AMX_TARGET inline void configure(int64_t rows, uint64_t& configured) {
-  const uint8_t r = uint8_t(rows);
-  const uint8_t shape[8] = {r, r, r, r, kTile, kTile, kTile, 0};
-  configure(shape, configured);
+  configured = rows;
 }
 
 // tmm sum += tmm x . tmm w (GCC's tile intrinsics paste their register numbers into the

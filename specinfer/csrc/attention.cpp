@@ -42,7 +42,6 @@ using vector_math::exp_nonpositive;
 using vector_math::widen16;
 
 constexpr int kLanes = 16;
-bool portable_only = false;  // tests: the portable loops even where AVX-512 runs
 
 // ---- the arithmetic, in portable loops: what every path must give, bit for bit ----------
 
@@ -96,11 +95,10 @@ void attend_head(const float* q, const float* keys, const float* values, int64_t
 
 // ---- the same arithmetic on AVX-512 (D a multiple of 16) ---------------------------------
 
-#define AVX512 VECTOR_MATH_AVX512
 
 // 16 keys' lane vectors folded at once: the fold's pairs added (lane l + lane l + 8, then
 // + 4, + 2, + 1) while the vectors are transposed, so key j's sum lands in lane j.
-AVX512 inline __m512 fold16(__m512* v) {
+AVX512_TARGET inline __m512 fold16(__m512* v) {
   __m512 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)  // per key: lanes 0-7 + 8-15 (two keys a vector)
     a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
@@ -120,7 +118,7 @@ alignas(64) int32_t fold_order[kLanes];  // key j's sum is in lane fold_order[j]
 
 // CHUNKS = D / 16, fixed at compile time so that q and the sums stay in registers.
 template <int CHUNKS>
-AVX512 void attend_head_avx512(const float* q, const float* keys, const float* values,
+AVX512_TARGET void attend_head_avx512(const float* q, const float* keys, const float* values,
                                int64_t stride, const int64_t* seen, int64_t n, float scale,
                                float* e, float* o) {
   const __m512i order = _mm512_load_si512(fold_order);
@@ -187,7 +185,7 @@ using HeadKernel = void (*)(const float*, const float*, const float*, int64_t, c
 
 // Which lane fold16 leaves each key's sum in, found by folding keys 0..15 as 1024 j in
 // lane 0 (the shuffles only move values, so the same permutation holds for any input).
-AVX512 void find_fold_order() {
+AVX512_TARGET void find_fold_order() {
   __m512 v[kLanes];
   for (int j = 0; j < kLanes; ++j) {
     alignas(64) float x[kLanes] = {};
@@ -201,10 +199,9 @@ AVX512 void find_fold_order() {
 
 // The AVX-512 kernel for head size D where the CPU has it (and D is one it is built for).
 HeadKernel avx512_kernel(int64_t D) {
-  static const bool has = __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && (find_fold_order(), true);
-  if (!has || portable_only) return nullptr;
+  if (!vector_math::use_avx512()) return nullptr;
+  static const bool ordered = (find_fold_order(), true);
+  (void)ordered;
   switch (D) {
     case 32: return attend_head_avx512<2>;
     case 64: return attend_head_avx512<4>;
@@ -242,7 +239,7 @@ void attend_row(const Rows& a, int64_t row, int64_t h, int64_t* seen, float* e, 
 // One head's rotary: y = x * cos + roll(x, D / 2) * sin (sin's first half negated), each
 // product and the sum rounded on its own, 16 lanes at a time (D / 2 a multiple of 16).
 template <typename T>
-AVX512 void rotate_avx512(const T* x, const float* c, const float* s, int64_t half, float* y) {
+AVX512_TARGET void rotate_avx512(const T* x, const float* c, const float* s, int64_t half, float* y) {
   for (int64_t j = 0; j < half; j += kLanes) {
     const __m512 lo = widen16(x + j), hi = widen16(x + half + j);
     _mm512_storeu_ps(y + j, _mm512_add_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(c + j)),
@@ -260,7 +257,7 @@ void rotate_and_write(const T* heads, int64_t rows, int64_t hq, int64_t hkv, int
                       const float* cos, const float* sin, float* qk, float* ck, float* cv,
                       int64_t slot_stride, const int64_t* write_slot, const int64_t* write_pos) {
   const int64_t width = hq + 2 * hkv, half = D / 2;
-  const bool avx512 = half % kLanes == 0 && avx512_kernel(D) != nullptr;
+  const bool avx512 = half % kLanes == 0 && vector_math::use_avx512();
   at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* row = heads + r * width * D;
@@ -285,14 +282,15 @@ void rotate_and_write(const T* heads, int64_t rows, int64_t hq, int64_t hkv, int
   });
 }
 
-AVX512 void to_bfloat16_avx512(const float* x, int64_t n, at::BFloat16* y) {
+AVX512_TARGET void to_bfloat16_avx512(const float* x, int64_t n, at::BFloat16* y) {
   for (int64_t j = 0; j < n; j += kLanes)  // rounded as at::BFloat16 rounds
     vector_math::store16(widen16(x + j, vector_math::lanes(n - j)), vector_math::lanes(n - j), y + j);
 }
 
 }  // namespace
 
-void attention_portable(bool on) { portable_only = on; }
+// Tests: every native operator's portable loops, even where AVX-512 runs.
+void portable_loops(bool on) { vector_math::portable_only = on; }
 
 at::Tensor attention(const at::Tensor& heads_in, const at::Tensor& cos_in,
                      const at::Tensor& sin_in, at::Tensor cache_k, at::Tensor cache_v,
@@ -345,7 +343,7 @@ at::Tensor attention(const at::Tensor& heads_in, const at::Tensor& cos_in,
                   visible.defined() ? visible.data_ptr<bool>() : nullptr,
                   Q, hq, hkv, D, cache_k.size(1), key_len, 1.0f / std::sqrt(float(D))};
   auto out = at::empty({B, Q, hq * D}, heads.options());
-  const bool bf16 = heads.scalar_type() == at::kBFloat16, avx512 = avx512_kernel(D) != nullptr;
+  const bool bf16 = heads.scalar_type() == at::kBFloat16, avx512 = vector_math::use_avx512();
   char* op = static_cast<char*>(out.data_ptr());
   // Items are (query row, head); a thread takes whole items, so its split changes no bits.
   // Even a plain step's few heads are worth two threads (16 -> 9 us a layer here).
@@ -372,7 +370,7 @@ at::Tensor attention(const at::Tensor& heads_in, const at::Tensor& cos_in,
 }
 
 TORCH_LIBRARY_FRAGMENT(specinfer, m) {
-  m.def("attention_portable(bool on) -> ()", &attention_portable);
+  m.def("portable_loops(bool on) -> ()", &portable_loops);
   m.def("attention(Tensor heads, Tensor cos, Tensor sin, Tensor(a!) cache_k, "
         "Tensor(b!) cache_v, Tensor write_slot, Tensor write_pos, Tensor slots, int key_len, "
         "Tensor? visible, int hq) -> Tensor", &attention);

@@ -37,7 +37,7 @@ AMX_AVX512_TARGET void bf16_pass(const at::BFloat16* x, int64_t M, int64_t strid
                                  int64_t N, Out* y, int64_t b0, int64_t b1, float* sums) {
   const int64_t block_bytes = k_tiles * kTileBytes;
   const char* weights = reinterpret_cast<const char*>(packed);
-  uint64_t configured = 0;
+  int64_t configured = -1;
   for (int64_t g = b0; g < b1; g += kBlocks) {
     const int64_t nb = std::min<int64_t>(kBlocks, b1 - g);
     const char* block = weights + g * block_bytes;

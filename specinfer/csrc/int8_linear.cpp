@@ -39,8 +39,9 @@ constexpr float kFixedMax = 8257536.0f;  // 2^23 - 2^17: the top digit stays in 
 // in double, 8 lanes at a time. The whole is an exact integer below 2^53, so it is the
 // same however it is summed; the two products and the conversions round as the scalar
 // expression does (and as int8.reference does).
+template <typename Out>
 AVX512_TARGET inline void combine(const int32_t* d, float sx, const float* sw, __mmask16 cols,
-                                  bool bf16, char* out) {
+                                  Out* out) {
   const __m512d row_scale = _mm512_set1_pd(double(sx));
   __m256 half[2];
   for (int h = 0; h < 2; ++h) {
@@ -56,22 +57,9 @@ AVX512_TARGET inline void combine(const int32_t* d, float sx, const float* sw, _
   }
   const __m512 v = _mm512_castpd_ps(_mm512_insertf64x4(
       _mm512_castps_pd(_mm512_castps256_ps512(half[0])), _mm256_castps_pd(half[1]), 1));
-  if (bf16) {
-    vector_math::store16(v, cols, reinterpret_cast<at::BFloat16*>(out));
-  } else {
-    vector_math::store16(v, cols, reinterpret_cast<float*>(out));
-  }
+  vector_math::store16(v, cols, out);
 }
 
-// Every row's 16 columns n0.. of a block from its digits' sums (sums[r][col], digit-row r).
-AVX512_TARGET inline void combine_rows(const int32_t* sums, int64_t M, int64_t n0,
-                                       const float* sx, const float* sw, int64_t N, bool bf16,
-                                       void* y) {
-  const __mmask16 cols = vector_math::lanes(N - n0);
-  for (int64_t m = 0; m < M; ++m)
-    combine(sums + kDigits * m * kTile, sx[m], sw + n0, cols, bf16,
-            static_cast<char*>(y) + (m * N + n0) * (bf16 ? 2 : 4));
-}
 
 // Weight blocks [b0, b1) on one thread. The digits are a matrix of R = 3 M rows (row 3 m + d:
 // digit d of x's row m), so one tile holds the digits of up to 5 rows (a plain step's one
@@ -80,11 +68,12 @@ AVX512_TARGET inline void combine_rows(const int32_t* sums, int64_t M, int64_t n
 // the blocks' weight tiles; the digits' tile is loaded once for the three blocks (a tile
 // load costs about a cycle per row here), and the three sums are independent chains.
 // Integer sums are exact, so the grouping changes no bit.
-AMX_AVX512_TARGET void amx_pass(const int8_t* digits, int64_t M, int64_t k_tiles, const int8_t* packed,
-                         const float* sx, const float* sw, int64_t N, bool bf16, void* y,
-                         int64_t b0, int64_t b1, int32_t* sums) {
+template <typename Out>
+AMX_AVX512_TARGET void amx_pass(const int8_t* digits, int64_t M, int64_t k_tiles,
+                                const int8_t* packed, const float* sx, const float* sw,
+                                int64_t N, Out* y, int64_t b0, int64_t b1, int32_t* sums) {
   const int64_t R = kDigits * M, width = k_tiles * kTileK, block_bytes = k_tiles * kTileBytes;
-  uint64_t configured = 0;
+  int64_t configured = -1;
   for (int64_t g = b0; g < b1; g += kBlocks) {
     const int64_t nb = std::min<int64_t>(kBlocks, b1 - g);
     const char* block = reinterpret_cast<const char*>(packed + g * block_bytes);
@@ -97,8 +86,12 @@ AMX_AVX512_TARGET void amx_pass(const int8_t* digits, int64_t M, int64_t k_tiles
       if (nb > 1) _tile_stored(1, sums + (R + r0) * kTile, 64);
       if (nb > 2) _tile_stored(2, sums + (2 * R + r0) * kTile, 64);
     }
-    for (int64_t j = 0; j < nb; ++j)
-      combine_rows(sums + j * R * kTile, M, (g + j) * kTile, sx, sw, N, bf16, y);
+    for (int64_t j = 0; j < nb; ++j) {  // every row's 16 columns of block g + j
+      const int64_t n0 = (g + j) * kTile;
+      const __mmask16 cols = vector_math::lanes(N - n0);
+      for (int64_t m = 0; m < M; ++m)
+        combine(sums + (j * R + kDigits * m) * kTile, sx[m], sw + n0, cols, y + m * N + n0);
+    }
   }
   _tile_release();
 }
@@ -172,10 +165,14 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed,
   const float* sxp = sx.data();
   const int8_t* pp = packed.data_ptr<int8_t>();
   const float* swp = scale.data_ptr<float>();
-  void* yp = y.data_ptr();
   at::parallel_for(0, packed.size(0), 2 * kBlocks, [&](int64_t b0, int64_t b1) {
     std::vector<int32_t> sums(kBlocks * R * kTile);  // the int32 sums of a pass's blocks
-    amx_pass(dp, M, k_tiles, pp, sxp, swp, N, bf16_out, yp, b0, b1, sums.data());
+    if (bf16_out) {
+      amx_pass(dp, M, k_tiles, pp, sxp, swp, N, y.data_ptr<at::BFloat16>(), b0, b1,
+               sums.data());
+    } else {
+      amx_pass(dp, M, k_tiles, pp, sxp, swp, N, y.data_ptr<float>(), b0, b1, sums.data());
+    }
   });
   return y;
 }

@@ -41,7 +41,7 @@ void norm_row(const BFloat16* a, const BFloat16* b, BFloat16* x, const float* w,
   for (int64_t k = 0; k < n; ++k) y[k] = BFloat16(float(x[k]) * inv * w[k]);
 }
 
-VECTOR_MATH_AVX512 void norm_row_avx512(const BFloat16* a, const BFloat16* b, BFloat16* x,
+AVX512_TARGET void norm_row_avx512(const BFloat16* a, const BFloat16* b, BFloat16* x,
                                         const float* w, int64_t n, float eps, BFloat16* y) {
   using vector_math::lanes;
   using vector_math::store16;
@@ -66,13 +66,10 @@ VECTOR_MATH_AVX512 void norm_row_avx512(const BFloat16* a, const BFloat16* b, BF
   }
 }
 
-bool portable_only = false;  // tests: the portable loop even where AVX-512 runs
-
 // y = rms_norm(x) row by row; where a is given, x = a + b first.
 void norm_rows(const BFloat16* a, const BFloat16* b, BFloat16* x, const float* w, int64_t rows,
                int64_t n, float eps, BFloat16* y) {
-  const bool avx512 = !portable_only && __builtin_cpu_supports("avx512f") &&
-                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  const bool avx512 = vector_math::use_avx512();
   // A tree's 16 rows take a few us: on one thread (a parallel region costs more than that).
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -94,8 +91,6 @@ at::Tensor checked_weight(const at::Tensor& weight, int64_t n) {
 }
 
 }  // namespace
-
-void rms_norm_portable(bool on) { portable_only = on; }
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() >= 1, "x: bfloat16");
@@ -124,7 +119,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& a_in, const at
 }
 
 TORCH_LIBRARY_FRAGMENT(specinfer, m) {
-  m.def("rms_norm_portable(bool on) -> ()", &rms_norm_portable);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor a, Tensor b, Tensor weight, float eps) -> (Tensor, Tensor)",
         &add_rms_norm);

@@ -29,7 +29,7 @@ void silu_mul_row(const T* g, const T* u, int64_t n, T* y) {
 }
 
 template <typename T>
-VECTOR_MATH_AVX512 void silu_mul_row_avx512(const T* g, const T* u, int64_t n, T* y) {
+AVX512_TARGET void silu_mul_row_avx512(const T* g, const T* u, int64_t n, T* y) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 live = lanes(n - j);
@@ -42,12 +42,9 @@ VECTOR_MATH_AVX512 void silu_mul_row_avx512(const T* g, const T* u, int64_t n, T
   }
 }
 
-bool portable_only = false;  // tests: the portable loop even where AVX-512 runs
-
 template <typename T>
 void silu_mul_rows(const T* x, int64_t rows, int64_t n, T* y) {
-  const bool avx512 = !portable_only && __builtin_cpu_supports("avx512f") &&
-                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  const bool avx512 = vector_math::use_avx512();
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (avx512) {
@@ -60,8 +57,6 @@ void silu_mul_rows(const T* x, int64_t rows, int64_t n, T* y) {
 }
 
 }  // namespace
-
-void silu_mul_portable(bool on) { portable_only = on; }
 
 at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   TORCH_CHECK(gate_up_in.dim() >= 1 && gate_up_in.size(-1) % 2 == 0 &&
@@ -83,6 +78,5 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 }
 
 TORCH_LIBRARY_FRAGMENT(specinfer, m) {
-  m.def("silu_mul_portable(bool on) -> ()", &silu_mul_portable);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
 }

@@ -10,9 +10,21 @@
 #include <cstdint>
 #include <cstring>
 
-#define VECTOR_MATH_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
 
 namespace vector_math {
+
+// Tests: every operator's portable loops even where AVX-512 runs (torch.ops.specinfer.
+// portable_loops), to compare the two forms bit for bit.
+inline bool portable_only = false;
+
+// Whether the AVX-512 forms run: the CPU has them and no test asked for the portable ones.
+inline bool use_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return has && !portable_only;
+}
 
 // e^x for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, times 2^n),
 // within ~1 ulp; below -87 it gives e^-87 (~1e-38).
@@ -35,7 +47,7 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-VECTOR_MATH_AVX512 inline __m512 exp16(__m512 x) {  // exp_nonpositive, lane by lane
+AVX512_TARGET inline __m512 exp16(__m512 x) {  // exp_nonpositive, lane by lane
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_sub_ps(
       _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _mm512_set1_ps(kRound)),
@@ -52,20 +64,20 @@ VECTOR_MATH_AVX512 inline __m512 exp16(__m512 x) {  // exp_nonpositive, lane by 
 }
 
 // x[0..15] (the `live` lanes; the rest 0) as float32; bfloat16 widens exactly.
-VECTOR_MATH_AVX512 inline __m512 widen16(const float* x, __mmask16 live = 0xFFFF) {
+AVX512_TARGET inline __m512 widen16(const float* x, __mmask16 live = 0xFFFF) {
   return _mm512_maskz_loadu_ps(live, x);
 }
-VECTOR_MATH_AVX512 inline __m512 widen16(const at::BFloat16* x, __mmask16 live = 0xFFFF) {
+AVX512_TARGET inline __m512 widen16(const at::BFloat16* x, __mmask16 live = 0xFFFF) {
   const __m256i bits = _mm256_maskz_loadu_epi16(live, x);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
 // The `live` lanes of v into out[0..15]: float32, or bfloat16 rounded as at::BFloat16
 // rounds (to nearest even; NaN to 0x7FC0).
-VECTOR_MATH_AVX512 inline void store16(__m512 v, __mmask16 live, float* out) {
+AVX512_TARGET inline void store16(__m512 v, __mmask16 live, float* out) {
   _mm512_mask_storeu_ps(out, live, v);
 }
-VECTOR_MATH_AVX512 inline void store16(__m512 v, __mmask16 live, at::BFloat16* out) {
+AVX512_TARGET inline void store16(__m512 v, __mmask16 live, at::BFloat16* out) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i bias = _mm512_add_epi32(
       _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
