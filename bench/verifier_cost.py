@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from bench.trees import random_tree
 from services.verifier.engine import EngineConfig
 from services.verifier.executor import ForwardArgs
 from services.verifier.factory import build_engine
@@ -31,14 +32,6 @@ from specinfer.placement import PlacementFlags
 from specinfer.tree import TokenTree, TreeBatch
 
 PREFIX = 128
-
-
-def random_tree(n: int, vocab: int, gen: torch.Generator) -> TokenTree:
-    tree = TokenTree()
-    while len(tree) < n:
-        parent = int(torch.randint(-1, len(tree), (1,), generator=gen)) if len(tree) else -1
-        tree.add(parent, int(torch.randint(0, vocab, (1,), generator=gen)))
-    return tree
 
 
 def timed(fn, reps: int, warmup: int = 2) -> tuple[float, float]:

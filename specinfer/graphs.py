@@ -13,6 +13,7 @@ padding run without capture (so CPU tests check them).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Protocol
 
 import torch
@@ -94,12 +95,16 @@ class GraphedLayers:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         pool = torch.cuda.graph_pool_handle() if runtime.placement.cuda else None
         total = len(self.batches) * len(self.queries)
+        start = time.perf_counter()
         # Largest first: later (smaller) graphs reuse the pool's memory.
         for b in reversed(self.batches):
             for q in reversed(self.queries):
                 self.graphs[(b, q)] = _Graph(runtime, b, q, pool)
                 log.info("capturing CUDA graphs", extra={"done": len(self.graphs),
                                                          "total": total})
+        self.capture_s = time.perf_counter() - start  # start-up's share (bench.gpu_smoke)
+        log.info("CUDA graphs captured", extra={"graphs": total,
+                                                "seconds": round(self.capture_s, 2)})
 
     def fits(self, batch: int, queries: int) -> bool:
         return batch <= self.batches[-1] and queries <= self.queries[-1]

@@ -13,6 +13,7 @@ import torch
 from servers import Stack, service
 
 import specinfer  # noqa: F401  (first: it configures oneDNN before any test runs a kernel)
+from bench.trees import decoy_tree  # noqa: F401  (tests import it from here)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -116,26 +117,6 @@ def smollm2_datastore() -> None:
     from specinfer.models import DEFAULT_LLM, load_tokenizer
 
     sharegpt_datastore(load_tokenizer(DEFAULT_LLM))
-
-
-def decoy_tree(truth: list[int], vocab: int, gen: torch.Generator):
-    """A tree holding ``truth`` (the LLM's own continuation) among random decoys at random
-    positions, going wrong at a random depth: accepted paths are often not the leftmost."""
-    from specinfer.tree import ROOT, Draft, TokenTree
-
-    tree, node = TokenTree(), ROOT
-    cut = int(torch.randint(0, len(truth) + 1, (1,), generator=gen))
-    for d, tok in enumerate(truth):
-        decoys = torch.randint(0, vocab, (2,), generator=gen).tolist()
-        real = tok if d < cut else decoys[0]
-        order = [*decoys, real] if torch.rand(1, generator=gen) < 0.7 else [real, *decoys]
-        nxt = node
-        for t in order:
-            child = tree.add(node, t, [Draft.one_hot(0, 0, t)])
-            if t == real:
-                nxt = child
-        node = nxt
-    return tree
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from test_placement import engine_in
 
-from bench.verifier_cost import random_tree
+from bench.trees import random_tree
 from services.verifier.executor import ForwardArgs
 from specinfer import int8, layers, linears, native
 from specinfer.placement import resolve

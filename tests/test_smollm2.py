@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import decoy_tree
 
+from bench.trees import reference_oracle
 from services.verifier.engine import EngineConfig
 from services.verifier.factory import build_engine
 from services.verifier.local import generate_local
@@ -33,30 +33,14 @@ def engine():
 
 
 def noisy_oracle(prompt: list[int], continuation: list[int], vocab: int, seed: int):
-    return batch_oracle([(prompt, continuation)], vocab, seed)
-
-
-def batch_oracle(pairs: list[tuple[list[int], list[int]]], vocab: int, seed: int):
-    """Trees for a batch: each history's (prompt, continuation) pair found by its prompt
-    (sequences leave the batch as they finish)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def trees(histories):
-        out = []
-        for h in histories:
-            prompt, continuation = next((p, c) for p, c in pairs if h[:len(p)] == p)
-            done = len(h) - len(prompt)
-            out.append(decoy_tree(continuation[done : done + 5], vocab, gen))
-        return out
-
-    return trees
+    return reference_oracle([(prompt, continuation)], vocab, seed)
 
 
 def test_speculative_greedy_equals_generate_on_mtbench(engine, smollm2_mtbench):
     """All 8 in one batch: rows of different trees and lengths side by side."""
     assert len(smollm2_mtbench) == 8
     assert len({tuple(p) for p, _ in smollm2_mtbench}) == 8  # the oracle tells them apart
-    trees = batch_oracle(smollm2_mtbench, engine.executor.runtime.model.config.vocab_size, 0)
+    trees = reference_oracle(smollm2_mtbench, engine.executor.runtime.model.config.vocab_size, 0)
     results = generate_local(engine, [p for p, _ in smollm2_mtbench], NEW_TOKENS, trees=trees)
     multi = 0
     for i, ((_, ref), res) in enumerate(zip(smollm2_mtbench, results, strict=True)):
