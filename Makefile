@@ -130,12 +130,24 @@ fuzz: setup
 bench-tracing: setup
 	$(PY) -m bench.tracing
 
-# Pure-Python (and protobuf) wheels bench/gpu_smoke.sh may lack on an offline GPU machine
-# with Python 3.12; bring this folder along with the repository.
+# The wheels bench/gpu_smoke.sh installs on an offline GPU machine (Python 3.12, its own
+# torch, transformers, numpy, pytest, scipy; no DeepSpeed): what the verifier engine and the
+# CUDA-marked tests import that such an image lacks or holds in another version, at this
+# repository's pins, for CPython 3.12 on x86_64 (12 MB: the repository and these stay
+# under the device tool's 64 MiB). Carry the folder: carry=["bench/gpu-wheels"].
+GPU_WHEEL_PLATFORMS := $(foreach n,17 24 27 28 31 34 35,--platform manylinux_2_$(n)_x86_64) \
+	--platform manylinux2014_x86_64
 gpu-wheels: setup
-	$(PIP) download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-		--no-deps -d bench/gpu-wheels pytest==9.2.0 pluggy iniconfig packaging \
-		grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
+	rm -rf bench/gpu-wheels
+	$(PIP) download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_WHEEL_PLATFORMS) --no-deps -d bench/gpu-wheels \
+		$$(grep -h -o -E '^(grpcio|grpcio-health-checking|grpcio-reflection|protobuf|opentelemetry-[a-z-]+|llguidance|jsonschema|gguf)==[^ ]+' \
+			requirements.txt) \
+		opentelemetry-api==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
+		opentelemetry-exporter-otlp-common==0.66b2 \
+		opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
+		googleapis-common-protos==1.76.0 jsonschema-specifications==2025.9.1 \
+		referencing==0.37.0 rpds-py==2026.9.1
 
 # Container images (deploy/docker/Dockerfile; build context: the repository, filtered by
 # .dockerignore): one repository, $(IMAGE):$(TAG) the CPU image and $(IMAGE):$(TAG)-cuda

@@ -5,7 +5,7 @@ whose target at a tree node counts the node's ancestors as generated, and with m
 which suppresses its ids at the second token and not at the third: a tree spans both).
 
 Two-sample chi-square test of homogeneity per token position, N = 1,000 sequences each
-(600 in bfloat16 and int8), cells with fewer than 10 pooled counts merged; pass if
+(600 in bfloat16, int8 and on a GPU), cells with fewer than 10 pooled counts merged; pass if
 p > 1e-3 (seeded: deterministic).
 """
 
@@ -63,11 +63,15 @@ def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
                                 min_tokens_stop_ids=tuple(range(0, 128, 2))),
                  "float32", marks=pytest.mark.matrix),
     (SamplingParams(0.7), "bfloat16"), (SamplingParams(0.7), "int8"),
+    pytest.param(SamplingParams(0.7), "cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")),
 ], ids=["T=0.7", "top_p=0.8", "T=1 penalties=-2", "T=1 min_tokens=2", "T=0.7 bfloat16",
-        "T=0.7 int8"])
+        "T=0.7 int8", "T=0.7 cuda"])
 def test_speculation_on_and_off_give_the_same_distribution(tiny_llama, params, dtype):
-    """In every number format: MSS is exact for whatever distribution the LLM computes."""
-    placement = resolve("cpu", quantize="int8") if dtype == "int8" else resolve("cpu", dtype)
+    """In every number format: MSS is exact for whatever distribution the LLM computes
+    (cuda: the GPU's default, bfloat16 with CUDA graphs, sampling on the device)."""
+    placement = resolve("cpu", quantize="int8") if dtype == "int8" else \
+        resolve("cuda") if dtype == "cuda" else resolve("cpu", dtype)
     engine = build_engine(tiny_llama, EngineConfig(max_context=64, slots=BATCH),
                           placement=placement)
     model, _ = load_ssm(f"{tiny_llama}#layers=2")
