@@ -64,8 +64,11 @@ def bfloat16_plan() -> Plan:
     if _plan is None:
         gen = torch.Generator().manual_seed(0)
         k = 2 * INVARIANT_K + 256  # a reduction of more than two parts
-        weight = (torch.randn(64, k, generator=gen) * 0.05).to(torch.bfloat16)
-        x = (torch.randn(AMX_ROWS + 8, k, generator=gen) * 3).to(torch.bfloat16)
+        # Big enough to see rare differences: on an AMD EPYC (AVX-512, no AMX) 32-row
+        # pieces of a 2304-long reduction differ from rows alone in 1-10 of 49,152
+        # outputs here, which a 64 x 40 probe missed (and chose them).
+        weight = (torch.randn(512, k, generator=gen) * 0.05).to(torch.bfloat16)
+        x = (torch.randn(3 * AMX_ROWS, k, generator=gen) * 3).to(torch.bfloat16)
         _plan = Plan(0, 1)
         for plan in (Plan(0, AMX_ROWS), Plan(INVARIANT_K, 0)):
             run = _packed(weight, None, plan=plan)
