@@ -202,7 +202,7 @@ def exactness(eager: Engine, graphs: Engine, prompts: list[list[int]], new_token
     eager engine's plain continuation among decoys (``bench.trees.reference_oracle``)."""
     plain = [r.token_ids for r in generate_local(eager.engine, prompts, new_tokens,
                                                  stop_token_ids=[])]
-    pairs = list(zip(prompts, [p[1:] for p in plain], strict=True))  # p[0]: the prefill's
+    pairs = list(zip(prompts, plain, strict=True))
     out: dict = {}
     for e in (eager, graphs):
         spec = generate_local(e.engine, prompts, new_tokens, stop_token_ids=[],
@@ -372,7 +372,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     model_dir = save_random_smollm2(Path(tempfile.mkdtemp()) / "smollm2-shape", args.layers)
     vocab = SMOLLM2_135M["vocab_size"]
     max_nodes = max(TREE_SIZES)
-    max_context = args.prefix + max(args.new_tokens, args.exact_tokens) + 8
+    # Room for the last step's tree too (the engine refuses one that would overflow).
+    max_context = args.prefix + max(args.new_tokens, args.exact_tokens) + max_nodes
     report: dict = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
         or "cpu", "torch": torch.__version__, "transformers_version": transformers.__version__,

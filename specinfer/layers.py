@@ -34,6 +34,9 @@ def fused(modules: list[torch.nn.Module], placement: Placement, measure: bool
     for sharded or quantized modules, the modules called one by one."""
     if not placement.cuda and all(linears.plain(m) for m in modules):
         return linears.build(modules, placement, measure)
+    if placement.cuda:  # in place (a no-op for modules the runtime moved already)
+        for m in modules:
+            m.to(placement.device, placement.dtype)
     if len(modules) == 1:
         return linears.ModuleLinear(modules[0])
     each = [linears.ModuleLinear(m) for m in modules]

@@ -29,7 +29,7 @@ def test_gpu_smoke_script_dry_run_on_the_cpu(tmp_path):
     for key in ("speculative_vs_plain_eager", "speculative_vs_plain_graphs",
                 "graphs_vs_eager_plain"):
         assert ex[key]["identical"] == ex[key]["of"] == 3, (key, ex[key])
-    assert ex["tokens_per_step_eager"] > 1.5  # the trees were accepted, not just verified
+    assert ex["tokens_per_step_eager"] > 2.0  # the trees were accepted, not just verified
     for name in ("eager", "graphs"):
         assert all(r["bitwise"] for r in report["row_invariance"][name].values()), name
         cfg = report["configs"][name]

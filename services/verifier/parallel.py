@@ -251,7 +251,9 @@ class RankWorker:
                                        args.offsets[lo:hi], vis, args.key_len)
             if not rt.is_last:
                 if self.tp_rank == 0:  # async, so this stage starts the next micro-batch
-                    pending.append(dist.isend(hidden.contiguous(),
+                    # A copy: under CUDA graphs ``hidden`` may be the graph's own output,
+                    # which the next micro-batch's replay overwrites while this send reads.
+                    pending.append(dist.isend(hidden.clone(memory_format=torch.contiguous_format),
                                               dst=self._stage_head(self.stage + 1),
                                               group=self.group))
                 continue
