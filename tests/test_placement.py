@@ -167,32 +167,34 @@ def test_no_step_tensor_is_created_off_the_device(tiny_llama, placement):
 
 # --- CUDA ---------------------------------------------------------------------------------
 
-@pytest.fixture
-def gpu_code_on_the_cpu(monkeypatch):
-    """The runtime's CUDA branch (the modules' own weights moved in place, torch's
-    operators and SDPA in the placement's dtype, no native kernels, no batch invariance)
-    run on the CPU: what a GPU runs, but the kernels and graphs."""
+def run_gpu_code_on_the_cpu(monkeypatch) -> None:
+    """From here on, the runtime's CUDA branch (the modules' own weights moved in place,
+    torch's operators and SDPA in the placement's dtype, no native kernels, no batch
+    invariance) runs on the CPU: what a GPU runs, but the kernels and graphs."""
     monkeypatch.setattr(Placement, "cuda", property(lambda self: True))
 
 
-def test_the_gpu_code_path_computes_the_cpu_paths_logits(tiny_llama, gpu_code_on_the_cpu,
-                                                        monkeypatch):
-    """Prefill, a plain row and trees (masks, positions, KV writes and compaction) through
-    the GPU's code: the CPU path's float32 logits within float32 rounding."""
+def test_the_gpu_code_path_computes_the_cpu_paths_logits(tiny_llama, hf_model, monkeypatch):
+    """Prefill, a plain row and trees (masks, positions, KV writes) through the GPU's
+    code: the CPU path's float32 logits within float32 rounding; and speculative greedy
+    decoding there (KV compaction after every step) gives transformers' tokens."""
+    cpu = engine_in(tiny_llama, resolve("cpu", "float32", compile="off"))
+    want = [cpu.executor.forward(args) for args in step_inputs(cpu.executor.vocab_size)]
+    run_gpu_code_on_the_cpu(monkeypatch)
     gpu = engine_in(tiny_llama, resolve("cpu", "float32", compile="off"))
     assert gpu.executor.runtime.attn_dtype == torch.float32 and gpu.executor.runtime._native \
         is None
-    check_device(gpu, torch.device("cpu"))
-    ex = gpu.executor
-    monkeypatch.undo()  # the CPU's own path from here
-    cpu = engine_in(tiny_llama, resolve("cpu", "float32", compile="off"))
-    for args in step_inputs(ex.vocab_size):
-        a, b = ex.forward(args), cpu.executor.forward(args)
+    for args, b in zip(step_inputs(gpu.executor.vocab_size), want, strict=True):
+        a = gpu.executor.forward(args)
         assert (a - b).abs().max() <= 1e-4 * b.abs().max(), args.tokens.shape
+    check_device(gpu, torch.device("cpu"))
+    for prompt, res in zip(prompts(), generate_local(gpu, prompts(), 20,
+                                                      trees=noisy_oracle(hf_model, 4)),
+                           strict=True):
+        assert res.token_ids == hf_greedy(hf_model, prompt, 20)
 
 
-def test_the_gpu_code_path_drafts_with_a_head_in_bfloat16(tiny_llama, tmp_path,
-                                                         gpu_code_on_the_cpu):
+def test_the_gpu_code_path_drafts_with_a_head_in_bfloat16(tiny_llama, tmp_path, monkeypatch):
     """The verifier's draft head in the GPU's format: its input linear moves with the
     placement (it was left in float32 on the host: a dtype or device error at the first
     draft)."""
@@ -203,6 +205,7 @@ def test_the_gpu_code_path_drafts_with_a_head_in_bfloat16(tiny_llama, tmp_path,
 
     save_head(DraftHead(load_model(tiny_llama), torch.arange(0, 128)), tmp_path / "head",
               tiny_llama, {})
+    run_gpu_code_on_the_cpu(monkeypatch)
     engine = build_engine(tiny_llama, EngineConfig(max_context=128, slots=4,
                                                    max_tree_nodes=24),
                           head=str(tmp_path / "head"),
