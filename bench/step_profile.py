@@ -27,7 +27,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.harness import FORMATS, write_report
-from bench.verifier_cost import PREFIX, random_tree
+from bench.trees import random_tree
+from bench.verifier_cost import PREFIX
 from services.verifier.engine import EngineConfig
 from services.verifier.executor import ForwardArgs
 from services.verifier.factory import build_engine

@@ -13,7 +13,6 @@ import torch
 from servers import Stack, service
 
 import specinfer  # noqa: F401  (first: it configures oneDNN before any test runs a kernel)
-from bench.trees import decoy_tree  # noqa: F401  (tests import it from here)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

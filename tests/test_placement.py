@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import decoy_tree
 from test_verifier_engine import hf_greedy, noisy_oracle
 from transformers import AutoModelForCausalLM
 
+from bench.trees import decoy_tree
 from services.verifier.engine import EngineConfig
 from services.verifier.executor import ForwardArgs
 from services.verifier.factory import build_engine

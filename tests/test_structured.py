@@ -14,9 +14,9 @@ import re
 import jsonschema
 import pytest
 import torch
-from conftest import decoy_tree
 from test_speculative_sampling import homogeneity_pvalue
 
+from bench.trees import decoy_tree
 from services.verifier.engine import EngineConfig, PrefillSpec, StepItem
 from services.verifier.factory import build_engine
 from services.verifier.local import generate_local

@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import decoy_tree
 from transformers import AutoModelForCausalLM
 
+from bench.trees import decoy_tree
 from services.verifier.engine import EngineConfig, PrefillSpec, StepItem
 from services.verifier.executor import Executor, ForwardArgs
 from services.verifier.factory import build_engine
