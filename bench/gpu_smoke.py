@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import json
 import platform
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +37,9 @@ from pathlib import Path
 
 import torch
 
+from bench.exactness import first_difference
 from bench.trees import random_tree, reference_oracle
+from bench.verifier_cost import timed
 from services.verifier.engine import EngineConfig, VerifierEngine
 from services.verifier.executor import ForwardArgs
 from services.verifier.factory import build_engine
@@ -71,18 +72,9 @@ def save_random_smollm2(path: Path, layers: int | None = None) -> str:
 
 def timed_ms(fn: Callable[[], object], device: torch.device, reps: int,
              warmup: int = 2) -> float:
-    """Median wall time of ``fn`` (the device synchronized after each call)."""
+    """Median wall time of ``fn`` in ms, the device synchronized after each call."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return timed(lambda: (fn(), sync()), reps, warmup)[0]
 
 
 @dataclasses.dataclass
@@ -184,15 +176,11 @@ def transformers_ms_per_step(model_dir: str, device: torch.device, dtype: torch.
 
 # --- exactness on the device ---------------------------------------------------------------
 
-def first_difference(a: list[list[int]], b: list[list[int]]) -> dict:
+def compare_sequences(a: list[list[int]], b: list[list[int]]) -> dict:
     """How many sequences of ``a`` equal ``b``'s, and where the first that does not parts."""
-    differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
-    first = None
-    if differ:
-        x, y = a[differ[0]], b[differ[0]]
-        token = next((k for k, (s, t) in enumerate(zip(x, y, strict=False)) if s != t),
-                     min(len(x), len(y)))
-        first = {"sequence": differ[0], "token": token}
+    parts = [first_difference(x, y) for x, y in zip(a, b, strict=True)]
+    differ = [i for i, at in enumerate(parts) if at is not None]
+    first = {"sequence": differ[0], "token": parts[differ[0]]} if differ else None
     return {"identical": len(a) - len(differ), "of": len(a), "first_difference": first}
 
 
@@ -207,13 +195,13 @@ def exactness(eager: Engine, graphs: Engine, prompts: list[list[int]], new_token
     for e in (eager, graphs):
         spec = generate_local(e.engine, prompts, new_tokens, stop_token_ids=[],
                               trees=reference_oracle(pairs, vocab, seed=0))
-        out[f"speculative_vs_plain_{e.name}"] = first_difference(
+        out[f"speculative_vs_plain_{e.name}"] = compare_sequences(
             [r.token_ids for r in spec], plain)
         out[f"tokens_per_step_{e.name}"] = sum(len(r.token_ids) - 1 for r in spec) / max(
             1, sum(r.steps for r in spec))
     graphs_plain = [r.token_ids for r in generate_local(graphs.engine, prompts, new_tokens,
                                                         stop_token_ids=[])]
-    out["graphs_vs_eager_plain"] = first_difference(graphs_plain, plain)
+    out["graphs_vs_eager_plain"] = compare_sequences(graphs_plain, plain)
     return out
 
 
@@ -234,7 +222,7 @@ def row_invariance(e: Engine, prefix: int, vocab: int) -> dict:
         out[name] = {"bitwise": bool(torch.equal(logits.float(), alone)), "max_abs": diff,
                      "argmax_same": bool(logits.argmax() == alone.argmax())}
 
-    torch.manual_seed(0)  # plain_rows draws the token: the same one each time
+    torch.manual_seed(0)  # plain_rows draws the token: the same one every run
     args = plain_rows(1, prefix, vocab)
     token = int(args.tokens[0, 0])
     alone = e.forward(args)[0, 0].float()
@@ -255,7 +243,7 @@ def sampling(e: Engine, prompts: list[list[int]], new_tokens: int, vocab: int) -
                            trees=reference_oracle(pairs, vocab, seed=1)) for _ in range(2)]
     tokens = [[r.token_ids for r in run] for run in runs]
     flat = [t for seq in tokens[0] for t in seq]
-    return {"reproducible": first_difference(tokens[0], tokens[1]),
+    return {"reproducible": compare_sequences(tokens[0], tokens[1]),
             "in_vocabulary": all(0 <= t < vocab for t in flat), "tokens": len(flat)}
 
 

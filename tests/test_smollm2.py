@@ -32,10 +32,6 @@ def engine():
     return build_engine(DEFAULT_LLM, EngineConfig(max_context=1024, slots=8))
 
 
-def noisy_oracle(prompt: list[int], continuation: list[int], vocab: int, seed: int):
-    return reference_oracle([(prompt, continuation)], vocab, seed)
-
-
 def test_speculative_greedy_equals_generate_on_mtbench(engine, smollm2_mtbench):
     """All 8 in one batch: rows of different trees and lengths side by side."""
     assert len(smollm2_mtbench) == 8
@@ -99,7 +95,7 @@ def test_penalties_and_logit_bias_keep_speculation_exact(engine):
         off = generate_local(engine, [prompt], n, params=params)[0]
         assert off.token_ids == ref, f"prompt {i}: plain decoding"
         oracle = generate_local(engine, [prompt], n, params=params,
-                                trees=noisy_oracle(prompt, ref, hf.config.vocab_size, i))[0]
+                                trees=reference_oracle([(prompt, ref)], hf.config.vocab_size, i))[0]
         assert oracle.token_ids == ref, f"prompt {i}: noisy-oracle trees"
         assert any(a > 1 for a in oracle.accepted_per_step)
         drafted = generate_local(engine, [prompt], n, params=params,
